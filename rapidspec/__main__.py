@@ -1,0 +1,5 @@
+import sys
+
+from rapidspec.cli import main
+
+sys.exit(main())

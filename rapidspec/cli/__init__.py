@@ -1,0 +1,56 @@
+"""The ``rapidspec`` command line.
+
+Each subcommand lives in its own module of this package and exposes
+``register(subparsers)``, which adds its parser and sets ``handler`` to a
+function ``handler(args) -> int`` returning the exit code. User mistakes raise
+:class:`rapidspec.errors.RapidspecError`; ``main`` prints them as one line and
+exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from rapidspec.errors import RapidspecError
+
+# Subcommand modules, in the order `rapidspec --help` lists them.
+COMMANDS = ("retrieve",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rapidspec",
+        description="Long-context inference with retrieval-augmented speculative decoding (RAPID).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"rapidspec.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "handler", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.handler(args)
+    except RapidspecError as err:
+        print(f"rapidspec {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

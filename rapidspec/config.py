@@ -1,0 +1,106 @@
+"""Frozen, validated configuration of one generation.
+
+The CLI maps its options onto these fields one to one. Invalid values raise
+:class:`rapidspec.errors.RapidspecError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from rapidspec.errors import RapidspecError
+
+Mode = Literal["lc", "rag", "sd", "ragsd", "rapid"]
+MODES: tuple[str, ...] = ("lc", "rag", "sd", "ragsd", "rapid")
+# What each mode feeds the target and the drafter (DESIGN.md section 2).
+TARGET_READS_RETRIEVED = {"rag"}
+USES_DRAFTER = {"sd", "ragsd", "rapid"}
+DRAFTER_READS_RETRIEVED = {"ragsd", "rapid"}
+USES_RETRIEVAL = {"rag", "ragsd", "rapid"}
+
+DEFAULT_RAPID_ETA = 10.0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode. See README "Modes and knobs".
+
+    * ``mode``: ``lc`` | ``rag`` | ``sd`` | ``ragsd`` | ``rapid``.
+    * ``eta``: strength of the retrieval-augmented target (paper's eta). Only
+      ``rapid`` uses it; ``None`` means 10.0 for ``rapid`` and 0 otherwise.
+    * ``gamma``: drafted tokens per round. ``gamma_schedule="heuristic"``
+      grows it by 2 after a fully accepted round and shrinks it by 1 otherwise
+      (between 1 and ``max_gamma``), as transformers' assisted generation does.
+    * ``temperature``: 0 is greedy (DESIGN.md section 1), > 0 samples.
+    * ``top_k`` (0 = off), ``top_p`` in (0, 1]: filters applied to both the
+      target and the drafter logits before the temperature softmax.
+    * ``draft_gate``: alpha of the gate ``q >= alpha * max(q)``.
+    * ``residual``: ``exact`` (tokens follow p^) or ``paper`` (Eq. 10).
+    * ``max_new_tokens``, ``stop``: stop strings, ``seed``: for sampling.
+    * ``truncate``: a document longer than the window is middle-truncated
+      (``middle``) or refused (``error``).
+    """
+
+    mode: Mode = "rapid"
+    eta: float | None = None
+    gamma: int = 6
+    gamma_schedule: Literal["constant", "heuristic"] = "constant"
+    max_gamma: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    draft_gate: float = 0.1
+    residual: Literal["exact", "paper"] = "exact"
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    seed: int | None = None
+    truncate: Literal["middle", "error"] = "middle"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RapidspecError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.eta is not None:
+            if not math.isfinite(self.eta) or self.eta < 0:
+                raise RapidspecError(f"eta must be a finite number >= 0, got {self.eta}")
+            if self.eta > 0 and self.mode != "rapid":
+                raise RapidspecError(f"eta applies to mode 'rapid' only; mode {self.mode!r} uses eta = 0")
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise RapidspecError(f"gamma must be an integer >= 1, got {self.gamma}")
+        if self.gamma_schedule not in ("constant", "heuristic"):
+            raise RapidspecError(f"gamma_schedule must be 'constant' or 'heuristic', got {self.gamma_schedule!r}")
+        if self.max_gamma < self.gamma:
+            raise RapidspecError(f"max_gamma ({self.max_gamma}) must be >= gamma ({self.gamma})")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RapidspecError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RapidspecError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RapidspecError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.draft_gate <= 1.0):
+            raise RapidspecError(f"draft_gate must be in [0, 1], got {self.draft_gate}")
+        if self.residual not in ("exact", "paper"):
+            raise RapidspecError(f"residual must be 'exact' or 'paper', got {self.residual!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RapidspecError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise RapidspecError("stop strings must not be empty")
+        if self.truncate not in ("middle", "error"):
+            raise RapidspecError(f"truncate must be 'middle' or 'error', got {self.truncate!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def effective_eta(self) -> float:
+        """The eta actually used: the given one, 10.0 for ``rapid`` by default, else 0."""
+        if self.mode != "rapid":
+            return 0.0
+        return DEFAULT_RAPID_ETA if self.eta is None else float(self.eta)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_(self, **changes) -> "DecodeConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)

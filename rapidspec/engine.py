@@ -1,0 +1,388 @@
+"""The RAPID engine: one generator that drafts, verifies and streams tokens.
+
+:meth:`Rapid.stream` is the only decode loop of the project; ``generate``, the
+CLI, the server, evaluation and benchmarks all consume it. One round of
+speculative decoding (modes ``sd``, ``ragsd``, ``rapid``)::
+
+    1 prefill   target cache <- target prompt[:-1], drafter cache <- drafter prompt[:-1]
+    2 draft     drafter feeds its pending tokens, then drafts k tokens one by one
+                (and also feeds the k-th when eta > 0, to know q at the bonus position)
+    3 verify    target feeds [pending, x_1..x_k] in ONE forward -> logits z_1..z_{k+1}
+    4 accept    keep the longest accepted prefix x_1..x_n, then emit one token from
+                the residual (n < k) or from p^ at position k+1 (bonus, n = k)
+    5 roll back both caches to the committed tokens (minus the pending last one)
+
+The math of step 4 lives in :mod:`rapidspec.sampling`; the caches in
+:mod:`rapidspec.cache`. Modes ``lc`` and ``rag`` run the plain loop: feed the
+pending token, pick the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from rapidspec import sampling
+from rapidspec.cache import KVCache, common_prefix_length
+from rapidspec.config import (
+    DRAFTER_READS_RETRIEVED,
+    TARGET_READS_RETRIEVED,
+    USES_DRAFTER,
+    USES_RETRIEVAL,
+    DecodeConfig,
+)
+from rapidspec.errors import RapidspecError
+from rapidspec.prompts import PromptTemplate, fit_document, prompt_ids
+from rapidspec.stats import GenerationStats
+from rapidspec.text_stream import TextAssembler
+
+logger = logging.getLogger(__name__)
+
+# Reuse a cached document prefix only when it saves at least this many tokens.
+MIN_REUSED_PREFIX_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """The answer of one generation with everything measured about it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+    config: DecodeConfig
+    retrieval: object | None = None  # rapidspec.retrieval.RetrievalResult for retrieving modes
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "mode": self.config.mode,
+            "stats": self.stats.to_dict(),
+            "retrieval": self.retrieval.to_dict() if self.retrieval is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """New text and tokens of one step; the last chunk carries the full output."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    output: GenerationOutput | None = field(default=None, repr=False)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Rapid:
+    """Long-context generation with a retrieval-augmented drafter.
+
+    ``target`` and ``drafter`` are :class:`rapidspec.models.LoadedModel`
+    objects (anything with ``model``, ``tokenizer`` and ``max_context``).
+    Without a drafter the target's weights draft with a cache of their own
+    (self-speculation). A drafter may be smaller or larger and live on another
+    device; its vocabulary must equal the target's.
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        retrieval=None,
+        template: PromptTemplate | None = None,
+        prefill_chunk_tokens: int = 2048,
+        reuse_document_cache: bool = True,
+    ) -> None:
+        from rapidspec.models import check_same_vocabulary
+        from rapidspec.retrieval import RetrievalConfig, Retriever
+
+        self.target = target
+        self.drafter = drafter if drafter is not None else target
+        if self.drafter is not target:
+            check_same_vocabulary(target.tokenizer, self.drafter.tokenizer)
+        self.tokenizer = target.tokenizer
+        self.template = template or PromptTemplate()
+        self.retriever = Retriever(retrieval or RetrievalConfig(), tokenizer=self.tokenizer)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.reuse_document_cache = reuse_document_cache
+        self._document_cache: KVCache | None = None
+        self.eos_token_ids = _eos_token_ids(target)
+        # Logits beyond the smaller vocabulary (embedding padding) are never real tokens.
+        self.vocab_size = min(_logit_width(target.model), _logit_width(self.drafter.model))
+
+    # ------------------------------------------------------------------ API
+    def generate(self, document: str, question: str, **options) -> GenerationOutput:
+        """Generate an answer; same options as :meth:`stream`."""
+        output = None
+        for chunk in self.stream(document, question, **options):
+            output = chunk.output or output
+        assert output is not None
+        return output
+
+    def stream(
+        self,
+        document: str,
+        question: str,
+        *,
+        query: str | None = None,
+        config: DecodeConfig | None = None,
+        generator: torch.Generator | None = None,
+        profile: bool = False,
+        **options,
+    ) -> Iterator[StreamChunk]:
+        """Yield the answer as it is generated.
+
+        ``options`` are :class:`DecodeConfig` fields (``mode``, ``eta``,
+        ``gamma``, ``temperature``, ...), or pass a ready ``config``. ``query``
+        is what retrieval searches for (default: the question). ``generator``
+        overrides the seeded one for sampling. ``profile`` synchronises the
+        device around each phase so that the per-phase times are exact on GPUs.
+        """
+        config = config.with_(**options) if config is not None else DecodeConfig(**options)
+        if not document or not document.strip():
+            raise RapidspecError("the document is empty")
+        if not question or not question.strip():
+            raise RapidspecError("the question is empty")
+        stats = GenerationStats(mode=config.mode, eta=config.effective_eta, gamma=config.gamma)
+        target_device = self.target.model.device
+        if generator is None:
+            generator = torch.Generator(device=target_device)
+            generator.manual_seed(config.seed if config.seed is not None else torch.seed() % 2**63)
+
+        with torch.inference_mode():
+            # 0 retrieval
+            retrieval = None
+            if config.mode in USES_RETRIEVAL:
+                started = time.perf_counter()
+                retrieval = self.retriever.retrieve(document, query or question)
+                stats.retrieval_seconds = time.perf_counter() - started
+                stats.retrieved_tokens = retrieval.num_tokens
+                stats.retrieved_chunks = len(retrieval.chunks)
+
+            # 1 prefill
+            window = self.target.max_context - config.max_new_tokens
+            if window < 16:
+                raise RapidspecError(
+                    f"max_new_tokens={config.max_new_tokens} leaves no room in the "
+                    f"{self.target.max_context}-token window"
+                )
+            target_reads_retrieved = config.mode in TARGET_READS_RETRIEVED
+            target_doc = retrieval.text if target_reads_retrieved else document
+            target_doc, stats.document_tokens_truncated = fit_document(
+                self.tokenizer, self.template, target_doc, question, window, config.truncate
+            )
+            target_seq = prompt_ids(self.tokenizer, self.template, target_doc, question, target_reads_retrieved)
+            stats.prompt_tokens_target = len(target_seq)
+            started = time.perf_counter()
+            target_cache = self._prefill_target(target_seq, stats, use_store=not target_reads_retrieved)
+            _sync(target_device)
+            stats.target_prefill_seconds = time.perf_counter() - started
+
+            drafter_cache = drafter_seq = None
+            if config.mode in USES_DRAFTER:
+                drafter_reads_retrieved = config.mode in DRAFTER_READS_RETRIEVED
+                drafter_doc = retrieval.text if drafter_reads_retrieved else target_doc
+                drafter_window = self.drafter.max_context - config.max_new_tokens
+                drafter_doc, _ = fit_document(
+                    self.tokenizer, self.template, drafter_doc, question, drafter_window, config.truncate
+                )
+                drafter_seq = prompt_ids(self.tokenizer, self.template, drafter_doc, question, drafter_reads_retrieved)
+                stats.prompt_tokens_drafter = len(drafter_seq)
+                started = time.perf_counter()
+                drafter_cache = KVCache(self.drafter.model, self.prefill_chunk_tokens)
+                drafter_cache.prefill(drafter_seq[:-1])
+                _sync(self.drafter.model.device)
+                stats.drafter_prefill_seconds = time.perf_counter() - started
+
+            # 2-5 decode
+            yield from self._decode(
+                config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, retrieval, profile
+            )
+
+    # ------------------------------------------------------------ internals
+    def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool) -> KVCache:
+        """Prefill the target on ``token_ids[:-1]``, reusing the last document's cache when it shares a prefix."""
+        wanted = token_ids[:-1]
+        cache = None
+        stored = self._document_cache if (use_store and self.reuse_document_cache) else None
+        if stored is not None:
+            shared = common_prefix_length(stored.token_ids, wanted)
+            if shared >= MIN_REUSED_PREFIX_TOKENS:
+                cache = stored.clone()
+                cache.crop(shared)
+                stats.target_prefill_reused_tokens = shared
+        if cache is None:
+            cache = KVCache(self.target.model, self.prefill_chunk_tokens)
+        cache.prefill(wanted[cache.length :])
+        if use_store and self.reuse_document_cache:
+            self._document_cache = cache.clone()
+        return cache
+
+    def _decode(self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, retrieval, profile):
+        prompt_length = len(target_seq)
+        drafter_prompt_length = len(drafter_seq) if drafter_seq is not None else 0
+        assembler = TextAssembler(self.tokenizer, config.stop)
+        gamma = config.gamma
+        started = time.perf_counter()
+        while True:
+            remaining = config.max_new_tokens - (len(target_seq) - prompt_length)
+            if drafter_cache is None:
+                emitted = self._plain_step(config, stats, generator, target_cache, target_seq, profile)
+            else:
+                emitted, gamma = self._speculative_step(
+                    config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq,
+                    min(gamma, remaining - 1), profile,
+                )
+            # 5 commit: stop at EOS and at max_new_tokens, then roll back the caches
+            finished = ""
+            for index, token in enumerate(emitted):
+                if token in self.eos_token_ids:
+                    emitted, finished = emitted[:index], "eos"
+                    break
+            if len(emitted) >= remaining:
+                emitted, finished = emitted[:remaining], finished or "length"
+            target_seq.extend(emitted)
+            target_cache.crop(min(target_cache.length, len(target_seq) - 1))
+            if drafter_cache is not None:
+                drafter_seq.extend(emitted)
+                drafter_cache.crop(min(drafter_cache.length, len(drafter_seq) - 1))
+            text, stopped = assembler.add(emitted)
+            if stopped:
+                finished = "stop"
+            elif finished:
+                text += assembler.flush()
+            if text or emitted:
+                yield StreamChunk(text=text, token_ids=tuple(emitted))
+            if finished:
+                break
+        _sync(target_cache.device)
+        stats.decode_seconds = time.perf_counter() - started
+        stats.new_tokens = len(target_seq) - prompt_length
+        stats.stop_reason = finished
+        generated = tuple(target_seq[prompt_length:])
+        if drafter_seq is not None:
+            assert tuple(drafter_seq[drafter_prompt_length:]) == generated
+        output = GenerationOutput(assembler.text, generated, stats, config, retrieval)
+        yield StreamChunk(text="", token_ids=(), output=output)
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[..., : self.vocab_size]
+
+    def _choose(self, logits: torch.Tensor, config: DecodeConfig, generator) -> torch.Tensor:
+        """Next token of plain decoding from [k, V] logits ([k])."""
+        if config.greedy:
+            return logits.argmax(dim=-1)
+        probs = (sampling.filter_logits(logits, config.top_k, config.top_p) / config.temperature).softmax(-1)
+        return sampling.sample(probs, generator)
+
+    def _plain_step(self, config, stats, generator, cache, seq, profile) -> list[int]:
+        """One step of plain autoregressive decoding (modes lc, rag)."""
+        logits = self._logits(cache.forward(seq[cache.length :], num_logits=1))  # [1, V]
+        return [int(self._choose(logits, config, generator)[0])]
+
+    def _speculative_step(self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, k, profile):
+        """One draft/verify round; returns (emitted tokens, gamma for the next round)."""
+        eta, alpha = config.effective_eta, config.draft_gate
+        greedy = config.greedy
+        target_device = target_cache.device
+        drafter_device = drafter_cache.device
+
+        # 2 draft: feed the pending tokens, then draft up to k tokens one by one.
+        # Rows kept for step 4: greedy keeps raw logits (q at T = 1) only when
+        # eta > 0; sampling keeps q. With eta > 0 the drafter also feeds x_k, so
+        # that q is known at the bonus position k + 1.
+        started = time.perf_counter()
+        drafts: list[int] = []
+        draft_rows: list[torch.Tensor] = []  # each [V], on the target's device
+        if k > 0 or eta > 0:
+            logits = self._logits(drafter_cache.forward(drafter_seq[drafter_cache.length :], 1))[0]  # [V]
+            for position in range(k + 1):
+                if greedy:
+                    if eta > 0:
+                        draft_rows.append(logits.to(target_device))
+                    token = int(logits.argmax())
+                else:
+                    filtered = sampling.filter_logits(logits[None].to(target_device), config.top_k, config.top_p)
+                    q = (filtered / config.temperature).softmax(-1)  # [1, V]
+                    draft_rows.append(q[0])
+                    token = int(sampling.sample(q, generator)[0]) if position < k else -1
+                if position == k:
+                    break
+                drafts.append(token)
+                if token in self.eos_token_ids or (position == k - 1 and eta == 0):
+                    break  # nothing to draft after EOS; q at the bonus position not needed
+                logits = self._logits(drafter_cache.forward([token], 1))[0]
+        if profile:
+            _sync(drafter_device)
+        stats.draft_seconds += time.perf_counter() - started
+
+        # 3 verify: one target forward over [pending, x_1..x_k].
+        started = time.perf_counter()
+        pending = target_seq[target_cache.length :]
+        target_logits = self._logits(target_cache.forward(pending + drafts, num_logits=len(drafts) + 1))  # [k+1, V]
+        if profile:
+            _sync(target_device)
+        stats.verify_seconds += time.perf_counter() - started
+
+        # 4 accept
+        started = time.perf_counter()
+        draft_tensor = torch.tensor(drafts, dtype=torch.long, device=target_device)  # [k]
+        rows = torch.stack(draft_rows) if draft_rows else None  # [k or k+1, V]
+        if greedy:
+            choices = sampling.greedy_target_choices(target_logits, rows, eta, alpha)  # [k+1]
+            accepted = sampling.greedy_accepted_length(draft_tensor, choices)
+            next_token = int(choices[accepted])
+        else:
+            scaled = sampling.filter_logits(target_logits, config.top_k, config.top_p) / config.temperature
+            target_probs = scaled.softmax(-1)  # [k+1, V]
+            augmented_probs = target_probs.clone()
+            if eta > 0 and rows is not None:
+                n_rows = rows.shape[0]
+                augmented_probs[:n_rows] = sampling.augmented_logits(
+                    scaled[:n_rows], target_probs[:n_rows], rows, eta, alpha
+                ).softmax(-1)
+            uniforms = torch.rand(len(drafts), generator=generator, device=target_device)  # [k]
+            accept = sampling.acceptance_mask(draft_tensor, rows, augmented_probs, uniforms) if drafts else draft_tensor.bool()
+            accepted = sampling.accepted_prefix_length(accept)
+            if accepted < len(drafts):
+                i = slice(accepted, accepted + 1)
+                residual = sampling.residual_probs(target_probs[i], rows[i], augmented_probs[i], config.residual)
+                next_token = int(sampling.sample(residual, generator)[0])
+            else:
+                next_token = int(sampling.sample(augmented_probs[accepted : accepted + 1], generator)[0])
+        if profile:
+            _sync(target_device)
+        stats.accept_seconds += time.perf_counter() - started
+        if drafts:
+            stats.record_round(len(drafts), accepted)
+        else:
+            stats.rounds += 1
+
+        next_gamma = config.gamma
+        if config.gamma_schedule == "heuristic" and drafts:
+            current = len(drafts)
+            next_gamma = min(config.max_gamma, current + 2) if accepted == current else max(1, current - 1)
+        return drafts[:accepted] + [next_token], next_gamma
+
+
+def _logit_width(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def _eos_token_ids(loaded) -> frozenset[int]:
+    """EOS ids from the generation config and the tokenizer."""
+    ids: set[int] = set()
+    generation_config = getattr(loaded.model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(t) for t in eos)
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    return frozenset(ids)

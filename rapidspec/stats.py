@@ -1,0 +1,96 @@
+"""What every generation reports (DESIGN.md section 5).
+
+Counting follows vLLM's ``SpecDecodingStats``: a *round* drafts some tokens,
+the target verifies them in one forward pass, ``accepted`` of them are kept and
+one more token (the correction or the bonus) is emitted by the target.
+``mean_accepted_length = 1 + accepted / rounds``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one generation (filled in while it runs)."""
+
+    mode: str = "lc"
+    eta: float = 0.0
+    gamma: int = 0
+    prompt_tokens_target: int = 0
+    prompt_tokens_drafter: int = 0
+    document_tokens_truncated: int = 0
+    retrieved_tokens: int = 0
+    retrieved_chunks: int = 0
+    target_prefill_reused_tokens: int = 0
+    retrieval_seconds: float = 0.0
+    target_prefill_seconds: float = 0.0
+    drafter_prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    # Where decode time goes (see ``rapidspec bench --profile``).
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    accept_seconds: float = 0.0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """Count one round that drafted ``drafted`` tokens and kept ``accepted``."""
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for position in range(drafted):
+            self.drafted_per_position[position] += 1
+            if position < accepted:
+                self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted (None when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """1 + accepted / rounds: tokens emitted per target forward pass."""
+        return 1.0 + self.accepted_tokens / self.rounds if self.rounds else None
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Fraction of drafts at position i (0-based) that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else None
+
+    @property
+    def total_seconds(self) -> float:
+        return self.retrieval_seconds + self.target_prefill_seconds + self.drafter_prefill_seconds + self.decode_seconds
+
+    @property
+    def bookkeeping_seconds(self) -> float:
+        """Decode time outside drafting, verification and acceptance math."""
+        return max(0.0, self.decode_seconds - self.draft_seconds - self.verify_seconds - self.accept_seconds)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for name in (
+            "acceptance_rate",
+            "mean_accepted_length",
+            "per_position_acceptance",
+            "decode_tokens_per_second",
+            "total_seconds",
+            "bookkeeping_seconds",
+        ):
+            out[name] = getattr(self, name)
+        return out

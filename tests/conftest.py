@@ -1,0 +1,80 @@
+"""Tiny models built from configs, shared by the fast tests.
+
+* ``byte_tokenizer``: a byte-level tokenizer (one token per byte, 256 + EOS),
+  so any text works and token counts are predictable.
+* ``tiny_model`` / ``make_tiny_model(seed)``: random 2-layer Llama models on
+  that vocabulary (hidden 32, grouped-query attention 4/2 heads), as
+  transformers' own assisted-generation tests use.
+* ``MarkovLM``: a model whose next-token logits depend only on the last token,
+  from a fixed table, so that exact output distributions can be computed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from rapidspec.models import LoadedModel  # noqa: E402
+
+EOS = "<eos>"
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab[EOS] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
+
+
+def make_tiny_model(seed: int = 0, tokenizer=None, max_context: int = 4096) -> LoadedModel:
+    tokenizer = tokenizer or build_byte_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_context,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.eos_token_id,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=f"tiny-{seed}",
+        device=model.device,
+        dtype=model.dtype,
+        max_context=max_context,
+    )
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    return build_byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(byte_tokenizer):
+    return make_tiny_model(0, byte_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def other_tiny_model(byte_tokenizer):
+    return make_tiny_model(1, byte_tokenizer)

@@ -1,0 +1,108 @@
+"""The pure math of DESIGN.md section 1 (invariants 3 and 4 at the level of one step)."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from rapidspec import sampling
+
+# PAPER_NOTES.md section 1.5: a worked example of the paper's residual.
+P = torch.tensor([[0.156, 0.318, 0.152, 0.013, 0.361]])
+Q = torch.tensor([[0.242, 0.055, 0.296, 0.214, 0.193]])
+
+
+def augmented(p, q, eta, alpha):
+    return sampling.augmented_logits(p.log(), p, q, eta, alpha).softmax(-1)
+
+
+def one_step(p, q, p_hat, residual, n, generator):
+    """Monte Carlo of one verification step: draft x ~ q, accept or resample."""
+    drafts = torch.multinomial(q.expand(n, -1), 1, replacement=True, generator=generator).squeeze(-1)  # [n]
+    uniforms = torch.rand(n, generator=generator)
+    accept = sampling.acceptance_mask(drafts, q.expand(n, -1), p_hat.expand(n, -1), uniforms)
+    fallback = sampling.sample(sampling.residual_probs(p, q, p_hat, residual).expand(n, -1), generator)
+    return torch.where(accept, drafts, fallback)
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    assert torch.isinf(sampling.filter_logits(logits, top_k=2)[0, 2:]).all()
+    assert torch.isfinite(sampling.filter_logits(logits, top_k=2)[0, :2]).all()
+    probs = logits.softmax(-1)[0]  # [0.644, 0.237, 0.087, 0.032]
+    kept = torch.isfinite(sampling.filter_logits(logits, top_p=0.7))[0]
+    assert kept.tolist() == [True, True, False, False]
+    assert probs[0] < 0.7 <= probs[0] + probs[1]
+    # top_p smaller than the best token's probability still keeps that token.
+    assert torch.isfinite(sampling.filter_logits(logits, top_p=0.01))[0].tolist() == [True, False, False, False]
+
+
+def test_draft_gate_applies_only_where_q_is_large():
+    shift = sampling.draft_gate(P, Q, alpha=0.9)
+    # max q = 0.296; gate keeps q >= 0.266 -> token 2 only
+    assert torch.allclose(shift, torch.tensor([[0.0, 0.0, 0.296 - 0.152, 0.0, 0.0]]))
+    assert torch.allclose(sampling.draft_gate(P, Q, alpha=0.0), Q - P)
+
+
+def test_eta_zero_gives_the_target():
+    assert torch.equal(sampling.augmented_logits(P.log(), P, Q, 0.0, 0.1), P.log())
+
+
+def test_paper_example_augmented_distribution():
+    p_hat = augmented(P, Q, eta=5.0, alpha=0.1)
+    assert torch.allclose(p_hat, torch.tensor([[0.289, 0.103, 0.377, 0.043, 0.188]]), atol=2e-3)
+
+
+def test_paper_residual_closed_form_matches_the_notes():
+    p_hat = augmented(P, Q, eta=5.0, alpha=0.1)
+    closed = sampling.output_distribution_paper(P, Q, p_hat)
+    assert torch.allclose(closed, torch.tensor([[0.242, 0.161, 0.296, 0.043, 0.258]]), atol=2e-3)
+
+
+@pytest.mark.parametrize("residual", ["exact", "paper"])
+def test_one_step_output_distribution(residual):
+    """exact -> p^ (invariant 3), paper -> Eq. 10 closed form (invariant 4).
+
+    Chi-square goodness of fit, 200k draws; fails with probability 1e-4 when the
+    implementation is right.
+    """
+    generator = torch.Generator().manual_seed(1)
+    p_hat = augmented(P, Q, eta=5.0, alpha=0.1)
+    expected = p_hat if residual == "exact" else sampling.output_distribution_paper(P, Q, p_hat)
+    n = 200_000
+    tokens = one_step(P, Q, p_hat, residual, n, generator)
+    observed = torch.bincount(tokens, minlength=5).double()
+    assert chisquare(observed.numpy(), (expected[0].double() / expected.sum() * n).numpy()).pvalue > 1e-4
+    # And the two differ: the paper's residual does not sample p^.
+    assert (sampling.output_distribution_paper(P, Q, p_hat) - p_hat).abs().max() > 0.05
+
+
+def test_eta_zero_one_step_is_lossless():
+    """eta = 0: plain speculative sampling follows p (failure probability 1e-4)."""
+    generator = torch.Generator().manual_seed(2)
+    n = 200_000
+    tokens = one_step(P, Q, P, "exact", n, generator)
+    observed = torch.bincount(tokens, minlength=5).double()
+    assert chisquare(observed.numpy(), (P[0].double() / P.sum() * n).numpy()).pvalue > 1e-4
+
+
+def test_residual_falls_back_when_mass_vanishes():
+    same = torch.tensor([[0.5, 0.5]])
+    assert torch.allclose(sampling.residual_probs(same, same, same, "exact"), same)
+    assert torch.allclose(sampling.residual_probs(same, same, same, "paper"), same)
+
+
+def test_accepted_prefix_and_greedy_length():
+    assert sampling.accepted_prefix_length(torch.tensor([True, True, False, True])) == 2
+    assert sampling.accepted_prefix_length(torch.tensor([], dtype=torch.bool)) == 0
+    assert sampling.greedy_accepted_length(torch.tensor([5, 7, 9]), torch.tensor([5, 7, 2, 4])) == 2
+    assert sampling.greedy_accepted_length(torch.tensor([5, 7, 9]), torch.tensor([5, 7, 9, 4])) == 3
+
+
+def test_greedy_choice_follows_the_shift():
+    target_logits = torch.tensor([[2.0, 1.9, 0.0]])
+    draft_logits = torch.tensor([[0.0, 5.0, 0.0]])
+    assert sampling.greedy_target_choices(target_logits, draft_logits, 0.0, 0.1).tolist() == [0]
+    assert sampling.greedy_target_choices(target_logits, draft_logits, 1.0, 0.1).tolist() == [1]
+    # rows without a drafter distribution fall back to the target's argmax
+    two = torch.tensor([[2.0, 1.9, 0.0], [0.0, 0.0, 3.0]])
+    assert sampling.greedy_target_choices(two, draft_logits, 1.0, 0.1).tolist() == [1, 2]
