@@ -133,6 +133,7 @@ class Rapid:
         config: DecodeConfig | None = None,
         generator: torch.Generator | None = None,
         profile: bool = False,
+        observer=None,
         **options,
     ) -> Iterator[StreamChunk]:
         """Yield the answer as it is generated.
@@ -142,6 +143,8 @@ class Rapid:
         is what retrieval searches for (default: the question). ``generator``
         overrides the seeded one for sampling. ``profile`` synchronises the
         device around each phase so that the per-phase times are exact on GPUs.
+        ``observer(target_cache, target_seq, drafter_cache, drafter_seq)`` is
+        called after every round's rollback (for tests and tools; read only).
         """
         config = config.with_(**options) if config is not None else DecodeConfig(**options)
         if not document or not document.strip():
@@ -201,7 +204,8 @@ class Rapid:
 
             # 2-5 decode
             yield from self._decode(
-                config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, retrieval, profile
+                config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, retrieval, profile,
+                observer,
             )
 
     # ------------------------------------------------------------ internals
@@ -223,7 +227,9 @@ class Rapid:
             self._document_cache = cache.clone()
         return cache
 
-    def _decode(self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, retrieval, profile):
+    def _decode(
+        self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, retrieval, profile, observer
+    ):
         prompt_length = len(target_seq)
         drafter_prompt_length = len(drafter_seq) if drafter_seq is not None else 0
         assembler = TextAssembler(self.tokenizer, config.stop)
@@ -251,6 +257,8 @@ class Rapid:
             if drafter_cache is not None:
                 drafter_seq.extend(emitted)
                 drafter_cache.crop(min(drafter_cache.length, len(drafter_seq) - 1))
+            if observer is not None:
+                observer(target_cache, target_seq, drafter_cache, drafter_seq)
             text, stopped = assembler.add(emitted)
             if stopped:
                 finished = "stop"

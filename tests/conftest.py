@@ -62,6 +62,7 @@ def make_tiny_model(seed: int = 0, tokenizer=None, max_context: int = 4096) -> L
         device=model.device,
         dtype=model.dtype,
         max_context=max_context,
+        source="config",
     )
 
 

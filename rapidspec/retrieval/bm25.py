@@ -17,6 +17,11 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+# bm25s sets its own logger to DEBUG when imported, so that every index build
+# prints "Building index from IDs objects" as soon as an application calls
+# logging.basicConfig(). Undo that import side effect: inherit the app's level.
+logging.getLogger("bm25s").setLevel(logging.NOTSET)
+
 
 def english_stemmer() -> Any | None:
     """A Snowball English stemmer if PyStemmer is installed, else None."""

@@ -1,0 +1,35 @@
+"""rapidspec: long-context inference with retrieval-augmented speculative decoding (RAPID).
+
+    from rapidspec import Rapid, load_model
+    target = load_model("builtin")
+    engine = Rapid(target)
+    out = engine.generate(document, question, mode="rapid", eta=10.0, gamma=6)
+
+Heavy modules (torch, transformers) load on first use of these names.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Rapid": "rapidspec.engine",
+    "GenerationOutput": "rapidspec.engine",
+    "StreamChunk": "rapidspec.engine",
+    "DecodeConfig": "rapidspec.config",
+    "GenerationStats": "rapidspec.stats",
+    "PromptTemplate": "rapidspec.prompts",
+    "load_model": "rapidspec.models",
+    "LoadedModel": "rapidspec.models",
+    "RapidspecError": "rapidspec.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rapidspec' has no attribute {name!r}")

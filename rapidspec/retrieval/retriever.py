@@ -1,0 +1,267 @@
+"""The retriever: document + query -> the drafter's short context.
+
+``Retriever.retrieve`` chunks the document (:mod:`.chunking`), scores every
+chunk for the query (:mod:`.bm25`, :mod:`.dense`, or both fused by
+:mod:`.fusion`), keeps the best chunks within the token budget
+(:mod:`.selection`) and returns them in document order, joined by blank lines.
+
+Scores in results are the method's own: BM25 score (``bm25``), cosine
+similarity (``dense``), reciprocal-rank-fusion score (``hybrid``, k = 60,
+over the BM25 ranking of chunks sharing a query word and the full dense
+ranking). ``min_score`` applies to that score.
+
+Per document (keyed by a SHA-256 of the chunking settings and the text) the
+retriever caches the chunks, the BM25 index and the chunk embeddings, so more
+questions on the same document only score and select. The embedder is loaded
+on first dense use, once per retriever; BM25-only use never loads it.
+A retriever is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rapidspec.errors import RapidspecError
+from rapidspec.retrieval.bm25 import BM25Index
+from rapidspec.retrieval.chunking import Chunk, Chunker
+from rapidspec.retrieval.config import RetrievalConfig
+from rapidspec.retrieval.dense import DenseIndex, load_embedder
+from rapidspec.retrieval.fusion import rank_by_score, reciprocal_rank_fusion
+from rapidspec.retrieval.selection import default_budget, select_chunks
+
+logger = logging.getLogger(__name__)
+
+#: Separator between retrieved chunks in ``RetrievalResult.text``.
+CHUNK_SEPARATOR = "\n\n"
+
+
+def build_query(question: str, options: Sequence[str] | None = None) -> str:
+    """The retrieval query: the question, then each multiple-choice option on its own line."""
+    return "\n".join([question, *options]) if options else question
+
+
+@dataclass(frozen=True)
+class RetrievedChunk:
+    """A selected chunk: ``document[char_start:char_end] == text``.
+
+    ``rank`` is 1 for the best-scoring chunk of the whole document; ``index``
+    is the chunk's position among all chunks of the document.
+    """
+
+    index: int
+    text: str
+    char_start: int
+    char_end: int
+    num_tokens: int
+    score: float
+    rank: int
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return (self.char_start, self.char_end)
+
+    def to_dict(self, include_text: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "index": self.index,
+            "rank": self.rank,
+            "score": self.score,
+            "char_start": self.char_start,
+            "char_end": self.char_end,
+            "num_tokens": self.num_tokens,
+        }
+        if include_text:
+            out["text"] = self.text
+        return out
+
+
+@dataclass(frozen=True)
+class RetrievalResult:
+    """The short context and where it came from.
+
+    ``num_tokens`` is the sum of the chunks' token counts (``<= budget_tokens``);
+    the ``"\\n\\n"`` separators in ``text`` are not counted. ``document_tokens``
+    is the sum over *all* chunks of the document. ``seconds`` is wall time of
+    this call, including chunking/indexing/embedding when not cached.
+    """
+
+    method: str
+    budget_tokens: int
+    chunks: tuple[RetrievedChunk, ...]
+    num_tokens: int
+    document_tokens: int
+    num_document_chunks: int
+    seconds: float
+    text: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", CHUNK_SEPARATOR.join(c.text for c in self.chunks))
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        return tuple(c.span for c in self.chunks)
+
+    def to_dict(self, include_text: bool = True) -> dict[str, Any]:
+        """A JSON-serialisable summary (plain ints, floats, strings, lists)."""
+        return {
+            "method": self.method,
+            "budget_tokens": self.budget_tokens,
+            "num_tokens": self.num_tokens,
+            "num_chunks": len(self.chunks),
+            "document_tokens": self.document_tokens,
+            "num_document_chunks": self.num_document_chunks,
+            "seconds": self.seconds,
+            "chunks": [c.to_dict(include_text) for c in self.chunks],
+        }
+
+
+class _DocumentState:
+    """What a retriever remembers about one document (built lazily)."""
+
+    def __init__(self, chunks: tuple[Chunk, ...]) -> None:
+        self.chunks = chunks
+        self.bm25: BM25Index | None = None
+        self.dense: dict[str, DenseIndex] = {}  # embedding model -> index
+
+
+class Retriever:
+    """Builds short contexts from long documents; see the module docstring.
+
+    Args:
+        config: retrieval settings (default :class:`RetrievalConfig()`).
+        tokenizer: the target model's Hugging Face tokenizer (token counts,
+            chunk sizes and budgets are in its tokens).
+        embedder: an already-loaded ``SentenceTransformer`` to use instead of
+            loading ``config.embedding_model``.
+
+    Example::
+
+        r = Retriever(RetrievalConfig(method="bm25", budget_tokens=1024), tokenizer=tok)
+        result = r.retrieve(document, "Who wrote the letter?")
+        result.text, result.spans, result.num_tokens
+    """
+
+    def __init__(self, config: RetrievalConfig | None = None, *, tokenizer: Any, embedder: Any = None) -> None:
+        if tokenizer is None:
+            raise RapidspecError("a tokenizer is required to count tokens")
+        self.config = config or RetrievalConfig()
+        self.tokenizer = tokenizer
+        self._chunker = Chunker(tokenizer, self.config.chunk_tokens, self.config.overlap_tokens)
+        self._embedder = embedder
+        self._documents: OrderedDict[str, _DocumentState] = OrderedDict()
+
+    @property
+    def embedder(self) -> Any:
+        """The sentence-transformers model, loaded on first access."""
+        if self._embedder is None:
+            self._embedder = load_embedder(self.config.embedding_model, self.config.device)
+        return self._embedder
+
+    def chunks(self, document: str) -> tuple[Chunk, ...]:
+        """All chunks of ``document`` (cached)."""
+        return self._state(document).chunks
+
+    def scores(self, document: str, query: str) -> np.ndarray:
+        """The method's score for every chunk of ``document``.  # [num_chunks]"""
+        _check_text("query", query)
+        return self._scores(self._state(document), query)
+
+    def retrieve(self, document: str, query: str) -> RetrievalResult:
+        """The best chunks for ``query`` within the budget, in document order.
+
+        The budget is ``config.budget_tokens`` or, when None,
+        ``clamp(document_tokens // 16, 256, 4096)``.
+
+        Raises:
+            RapidspecError: empty document or query, no chunk fits the budget,
+                or the embedding model is not available offline.
+        """
+        started = time.perf_counter()
+        _check_text("query", query)
+        state = self._state(document)
+        scores = self._scores(state, query)
+        counts = [c.num_tokens for c in state.chunks]
+        document_tokens = sum(counts)
+        budget = self.config.budget_tokens or default_budget(document_tokens)
+        chosen = select_chunks(scores, counts, budget, min_score=self.config.min_score)
+        if not chosen:
+            logger.warning("no chunk scored at least min_score=%s; the context is empty", self.config.min_score)
+        retrieved = tuple(
+            RetrievedChunk(
+                index=c.index,
+                text=c.text,
+                char_start=c.char_start,
+                char_end=c.char_end,
+                num_tokens=c.num_tokens,
+                score=float(scores[c.index]),
+                rank=rank,
+            )
+            for c, rank in sorted(((state.chunks[i], rank) for i, rank in chosen), key=lambda cr: cr[0].index)
+        )
+        return RetrievalResult(
+            method=self.config.method,
+            budget_tokens=budget,
+            chunks=retrieved,
+            num_tokens=sum(c.num_tokens for c in retrieved),
+            document_tokens=document_tokens,
+            num_document_chunks=len(state.chunks),
+            seconds=time.perf_counter() - started,
+        )
+
+    # -- internals -------------------------------------------------------
+
+    def _state(self, document: str) -> _DocumentState:
+        _check_text("document", document)
+        key = self._document_key(document)
+        state = self._documents.get(key)
+        if state is None:
+            t0 = time.perf_counter()
+            state = _DocumentState(self._chunker.chunk(document))
+            logger.info("chunked %d chars into %d chunks in %.2f s", len(document), len(state.chunks), time.perf_counter() - t0)
+            self._documents[key] = state
+            while len(self._documents) > self.config.max_cached_documents:
+                self._documents.popitem(last=False)
+        self._documents.move_to_end(key)
+        return state
+
+    def _document_key(self, document: str) -> str:
+        c = self.config
+        h = hashlib.sha256(f"{c.chunk_tokens}\0{c.overlap_tokens}\0".encode())
+        h.update(document.encode("utf-8", "surrogatepass"))
+        return h.hexdigest()
+
+    def _scores(self, state: _DocumentState, query: str) -> np.ndarray:
+        method = self.config.method
+        if method == "bm25":
+            return self._bm25(state).scores(query)
+        if method == "dense":
+            return self._dense(state).scores(query)
+        bm25 = self._bm25(state).scores(query)
+        dense = self._dense(state).scores(query)
+        rankings = [rank_by_score(bm25, keep=bm25 > 0), rank_by_score(dense)]
+        return reciprocal_rank_fusion(rankings, len(state.chunks), k=self.config.rrf_k)
+
+    def _bm25(self, state: _DocumentState) -> BM25Index:
+        if state.bm25 is None:
+            state.bm25 = BM25Index([c.text for c in state.chunks])
+        return state.bm25
+
+    def _dense(self, state: _DocumentState) -> DenseIndex:
+        model = self.config.embedding_model
+        if model not in state.dense:
+            state.dense[model] = DenseIndex(self.embedder, [c.text for c in state.chunks], batch_size=self.config.batch_size)
+        return state.dense[model]
+
+
+def _check_text(name: str, text: object) -> None:
+    if not isinstance(text, str):
+        raise RapidspecError(f"the {name} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise RapidspecError(f"the {name} is empty")

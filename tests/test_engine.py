@@ -1,0 +1,158 @@
+"""The engine's invariants (DESIGN.md section 1) on tiny models built from configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rapidspec import DecodeConfig, Rapid
+from rapidspec.errors import RapidspecError
+from rapidspec.retrieval import RetrievalConfig
+
+DOCUMENT = "\n\n".join(
+    f"Paragraph {i}: the river town kept {i} boats and a lighthouse painted shade {i % 7}." for i in range(40)
+)
+QUESTION = "How many boats did the river town keep in paragraph 17?"
+RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=300)
+
+
+def engine(target, drafter=None) -> Rapid:
+    return Rapid(target, drafter, retrieval=RETRIEVAL)
+
+
+@pytest.fixture(scope="module")
+def lc_output(tiny_model):
+    return engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ragsd", "rapid"])
+@pytest.mark.parametrize("drafter_kind", ["self", "random"])
+def test_greedy_eta_zero_equals_lc(tiny_model, other_tiny_model, lc_output, mode, drafter_kind):
+    """Invariant 1: eta = 0 greedy reproduces target-only greedy for any drafter."""
+    drafter = None if drafter_kind == "self" else other_tiny_model
+    out = engine(tiny_model, drafter).generate(DOCUMENT, QUESTION, mode=mode, eta=0.0, gamma=4, max_new_tokens=40)
+    assert out.token_ids == lc_output.token_ids
+    assert out.text == lc_output.text
+    assert out.stats.rounds > 0 and out.stats.drafted_tokens > 0
+    if mode == "sd" and drafter_kind == "self":
+        # same weights, same context: everything is accepted
+        assert out.stats.acceptance_rate == 1.0
+        assert out.stats.mean_accepted_length > 4.0
+    if drafter_kind == "random":
+        assert out.stats.acceptance_rate < 0.5
+
+
+def test_caches_hold_exactly_the_committed_tokens(tiny_model, other_tiny_model):
+    """Invariant 5: after every round, cached logits equal a fresh forward pass."""
+    checked = []
+
+    def observer(target_cache, target_seq, drafter_cache, drafter_seq):
+        for cache, seq in ((target_cache, target_seq), (drafter_cache, drafter_seq)):
+            assert cache.token_ids == seq[: cache.length]
+            assert 1 <= len(seq) - cache.length <= 2
+            probe = cache.clone()
+            cached = probe.forward(seq[probe.length :], num_logits=1)[0]
+            fresh = cache.model(torch.tensor([seq]), use_cache=False).logits[0, -1].float()
+            torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
+        checked.append(len(target_seq))
+
+    out = engine(tiny_model, other_tiny_model).generate(
+        DOCUMENT, QUESTION, mode="rapid", eta=2.0, gamma=3, temperature=1.0, seed=3, max_new_tokens=30,
+        observer=observer,
+    )
+    assert len(checked) == out.stats.rounds >= 5
+
+
+def test_stream_concatenates_to_the_text(tiny_model):
+    chunks = list(engine(tiny_model).stream(DOCUMENT, QUESTION, mode="rapid", gamma=3, max_new_tokens=30))
+    output = chunks[-1].output
+    assert output is not None
+    assert "".join(c.text for c in chunks) == output.text
+    assert sum(len(c.token_ids) for c in chunks) == len(output.token_ids) == output.stats.new_tokens == 30
+    assert output.stats.stop_reason == "length"
+    assert output.retrieval is not None and output.retrieval.num_tokens <= 300
+
+
+def test_seed_determinism(tiny_model, other_tiny_model):
+    rapid = engine(tiny_model, other_tiny_model)
+    runs = [
+        rapid.generate(DOCUMENT, QUESTION, mode="rapid", temperature=1.0, seed=seed, max_new_tokens=25).token_ids
+        for seed in (7, 7, 8)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_stop_string_ends_generation(tiny_model, lc_output):
+    text = lc_output.text
+    stop = text[10:13]
+    out = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40, stop=(stop,))
+    assert out.stats.stop_reason == "stop"
+    assert out.text == text[: text.find(stop)]
+
+
+def test_stats_are_consistent(tiny_model):
+    out = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=30)
+    s = out.stats
+    assert s.prompt_tokens_target > s.prompt_tokens_drafter > 0
+    assert s.retrieved_chunks >= 1 and 0 < s.retrieved_tokens <= 300
+    assert s.accepted_tokens <= s.drafted_tokens
+    assert s.mean_accepted_length == pytest.approx(1 + s.accepted_tokens / s.rounds)
+    assert sum(s.drafted_per_position) == s.drafted_tokens
+    assert sum(s.accepted_per_position) == s.accepted_tokens
+    assert s.to_dict()["acceptance_rate"] == s.acceptance_rate
+
+
+def test_document_cache_is_reused_across_questions(tiny_model):
+    rapid = engine(tiny_model)
+    first = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=10)
+    second = rapid.generate(DOCUMENT, "What colour was the lighthouse?", mode="lc", max_new_tokens=10)
+    assert first.stats.target_prefill_reused_tokens == 0
+    assert second.stats.target_prefill_reused_tokens > len(DOCUMENT) * 0.9
+    fresh = engine(tiny_model).generate(DOCUMENT, "What colour was the lighthouse?", mode="lc", max_new_tokens=10)
+    assert fresh.token_ids == second.token_ids
+
+
+def test_middle_truncation_and_refusal(byte_tokenizer):
+    from tests.conftest import make_tiny_model
+
+    small = make_tiny_model(0, byte_tokenizer, max_context=600)
+    out = engine(small).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=8)
+    assert out.stats.document_tokens_truncated > 0
+    assert out.stats.prompt_tokens_target <= 600 - 8
+    with pytest.raises(RapidspecError, match="window"):
+        engine(small).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=8, truncate="error")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"eta": -1.0}, "eta"),
+        ({"gamma": 0}, "gamma"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"mode": "fast"}, "mode"),
+        ({"mode": "sd", "eta": 3.0}, "eta"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_bad_options_are_clear_errors(options, message):
+    with pytest.raises(RapidspecError, match=message):
+        DecodeConfig(**options)
+
+
+def test_empty_inputs_are_clear_errors(tiny_model):
+    with pytest.raises(RapidspecError, match="document"):
+        engine(tiny_model).generate("  ", QUESTION)
+    with pytest.raises(RapidspecError, match="question"):
+        engine(tiny_model).generate(DOCUMENT, "")
+
+
+def test_vocabulary_mismatch_is_a_clear_error(tiny_model):
+    from tests.conftest import build_byte_tokenizer, make_tiny_model
+
+    other_tokenizer = build_byte_tokenizer()
+    other_tokenizer.add_tokens(["<extra>"])
+    with pytest.raises(RapidspecError, match="vocabulary"):
+        Rapid(tiny_model, make_tiny_model(2, other_tokenizer))

@@ -1,0 +1,181 @@
+"""Exact distributions and forced-logit cases through the whole engine.
+
+``MarkovLM`` is a model whose next-token logits depend only on the last token
+(a table), so the distribution of the first tokens of an answer is known in
+closed form whatever the context. Target and drafter get different tables.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import GenerationConfig, LlamaConfig
+
+from rapidspec import Rapid
+from rapidspec.models import LoadedModel
+from rapidspec.retrieval import RetrievalConfig
+
+DOCUMENT = "\n\n".join(f"Line {i} of a short note about apples and pears." for i in range(30))
+QUESTION = "What fruit is named?"
+RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)
+
+
+class MarkovLM(torch.nn.Module):
+    """logits(next | ..., last) = table[last]; ignores the cache it is given."""
+
+    def __init__(self, table: torch.Tensor, eos_id: int) -> None:
+        super().__init__()
+        vocab = table.shape[0]
+        self.table = table
+        self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, num_hidden_layers=1, num_attention_heads=1)
+        self.generation_config = GenerationConfig(eos_token_id=eos_id)
+        self.lm_head = torch.nn.Linear(1, vocab, bias=False)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=1):
+        return SimpleNamespace(logits=self.table[input_ids][:, -logits_to_keep:])
+
+
+def markov_table(tokenizer, rows: dict[int, list[float]], states: list[int], default: list[float]) -> torch.Tensor:
+    """A [V, V] logit table: from any token, next-token probabilities over ``states``."""
+    vocab = len(tokenizer)
+    table = torch.full((vocab, vocab), -math.inf)
+    for token in range(vocab):
+        probs = rows.get(token, default)
+        table[token, states] = torch.tensor(probs).log()
+    return table
+
+
+def loaded(model: MarkovLM, tokenizer) -> LoadedModel:
+    return LoadedModel(
+        name="markov", model=model, tokenizer=tokenizer, device=model.device, dtype=torch.float32,
+        max_context=100_000, source="table",
+    )
+
+
+def augmented_numpy(p: np.ndarray, q: np.ndarray, eta: float, alpha: float) -> np.ndarray:
+    """p^ = softmax(log p + eta * 1[q >= alpha max q] * (q - p)), written independently of the library."""
+    shift = np.where(q >= alpha * q.max(), q - p, 0.0)
+    logits = np.log(p) + eta * shift
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+TARGET_ROWS = [[0.4, 0.3, 0.2, 0.1], [0.1, 0.5, 0.2, 0.2], [0.25, 0.25, 0.3, 0.2], [0.3, 0.1, 0.3, 0.3]]
+DRAFT_ROWS = [[0.1, 0.2, 0.3, 0.4], [0.3, 0.3, 0.2, 0.2], [0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]]
+TARGET_START = [0.3, 0.3, 0.2, 0.2]
+DRAFT_START = [0.1, 0.6, 0.2, 0.1]
+
+
+@pytest.fixture(scope="module")
+def markov_pair(byte_tokenizer):
+    states = byte_tokenizer.convert_tokens_to_ids(list("wxyz"))
+    target = MarkovLM(markov_table(byte_tokenizer, dict(zip(states, TARGET_ROWS)), states, TARGET_START), -1)
+    drafter = MarkovLM(markov_table(byte_tokenizer, dict(zip(states, DRAFT_ROWS)), states, DRAFT_START), -1)
+    return loaded(target, byte_tokenizer), loaded(drafter, byte_tokenizer), states
+
+
+def expected_joint(eta: float, alpha: float, length: int) -> np.ndarray:
+    """Distribution over the first ``length`` states when every token follows p^ of its position."""
+    start_p, start_q = np.array(TARGET_START), np.array(DRAFT_START)
+    rows_p, rows_q = np.array(TARGET_ROWS), np.array(DRAFT_ROWS)
+    joint = np.zeros((4,) * length)
+    for path in itertools.product(range(4), repeat=length):
+        prob, p, q = 1.0, start_p, start_q
+        for state in path:
+            prob *= augmented_numpy(p, q, eta, alpha)[state]
+            p, q = rows_p[state], rows_q[state]
+        joint[path] = prob
+    return joint
+
+
+@pytest.mark.parametrize("mode, eta", [("ragsd", 0.0), ("rapid", 3.0)])
+def test_sampled_sequences_follow_the_target(markov_pair, mode, eta):
+    """Invariants 2 and 3: eta = 0 follows p, eta > 0 with the exact residual follows p^.
+
+    3000 answers of 3 tokens (drafted 2 at a time, so acceptance, rejection and
+    the bonus token all occur); chi-square over the 64 joint outcomes. With a
+    correct engine the test fails with probability 1e-4.
+    """
+    target, drafter, states = markov_pair
+    rapid = Rapid(target, drafter, retrieval=RETRIEVAL)
+    generator = torch.Generator().manual_seed(11)
+    n = 3000
+    index = {s: i for i, s in enumerate(states)}
+    counts = np.zeros((4, 4, 4))
+    for _ in range(n):
+        out = rapid.generate(
+            DOCUMENT, QUESTION, mode=mode, eta=eta, gamma=2, temperature=1.0, max_new_tokens=3,
+            generator=generator,
+        )
+        counts[tuple(index[t] for t in out.token_ids)] += 1
+    expected = expected_joint(eta, 0.1, 3).ravel() * n
+    assert chisquare(counts.ravel(), expected * (n / expected.sum())).pvalue > 1e-4
+
+
+def forced(byte_tokenizer, target_next: dict[str, str], draft_next: dict[str, str], start_t: str, start_d: str, eos_after=None):
+    """Deterministic tables: after character c the target puts all mass on target_next[c]."""
+    vocab = len(byte_tokenizer)
+    ids = byte_tokenizer.convert_tokens_to_ids
+
+    def table(next_map, start):
+        t = torch.full((vocab, vocab), -30.0)
+        t[:, ids(start)] = 0.0
+        for a, b in next_map.items():
+            t[ids(a)] = -30.0
+            t[ids(a), byte_tokenizer.eos_token_id if b == "EOS" else ids(b)] = 0.0
+        return t
+
+    eos = byte_tokenizer.eos_token_id
+    return (
+        loaded(MarkovLM(table(target_next, start_t), eos), byte_tokenizer),
+        loaded(MarkovLM(table(draft_next, start_d), eos), byte_tokenizer),
+    )
+
+
+def test_forced_all_accepted_gives_the_bonus_token(byte_tokenizer):
+    chain = {"a": "b", "b": "c", "c": "d", "d": "e", "e": "f", "f": "g", "g": "h"}
+    target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
+    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+        DOCUMENT, QUESTION, mode="ragsd", gamma=3, max_new_tokens=8
+    )
+    assert out.text == "abcdefgh"
+    # rounds: [a b c] + d bonus, [e f g] + h bonus
+    assert out.stats.rounds == 2 and out.stats.accepted_tokens == 6 and out.stats.drafted_tokens == 6
+
+
+def test_forced_first_rejected_emits_the_target_token(byte_tokenizer):
+    target_chain = {"a": "b", "b": "c", "c": "d", "d": "e", "e": "f", "f": "g"}
+    draft_chain = {"a": "x", "x": "y", "y": "z", "z": "x", "b": "x", "c": "x", "d": "x", "e": "x", "f": "x"}
+    target, drafter = forced(byte_tokenizer, target_chain, draft_chain, "a", "q")
+    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+        DOCUMENT, QUESTION, mode="ragsd", gamma=3, max_new_tokens=6
+    )
+    assert out.text == "abcdef"
+    assert out.stats.accepted_tokens == 0
+    assert out.stats.rounds == 6
+
+
+def test_forced_eos_inside_a_draft_stops(byte_tokenizer):
+    chain = {"a": "b", "b": "EOS"}
+    target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
+    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+        DOCUMENT, QUESTION, mode="ragsd", gamma=5, max_new_tokens=20
+    )
+    assert out.text == "ab"
+    assert out.stats.stop_reason == "eos"
+    assert out.stats.rounds == 1
+    # the drafter stopped drafting at EOS: a, b, EOS
+    assert out.stats.drafted_tokens == 3
