@@ -20,7 +20,7 @@ USES_DRAFTER = {"sd", "ragsd", "rapid"}
 DRAFTER_READS_RETRIEVED = {"ragsd", "rapid"}
 USES_RETRIEVAL = {"rag", "ragsd", "rapid"}
 
-DEFAULT_RAPID_ETA = 10.0
+DEFAULT_RAPID_ETA = 2.0
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,9 @@ class DecodeConfig:
 
     * ``mode``: ``lc`` | ``rag`` | ``sd`` | ``ragsd`` | ``rapid``.
     * ``eta``: strength of the retrieval-augmented target (paper's eta). Only
-      ``rapid`` uses it; ``None`` means 10.0 for ``rapid`` and 0 otherwise.
+      ``rapid`` uses it; ``None`` means 2.0 for ``rapid`` and 0 otherwise (greedy compares
+      logits at temperature 1, where eta = 2 is about the paper's eta = 20 at
+      T = 0.1; see README).
     * ``gamma``: drafted tokens per round. ``gamma_schedule="heuristic"``
       grows it by 2 after a fully accepted round and shrinks it by 1 otherwise
       (between 1 and ``max_gamma``), as transformers' assisted generation does.
@@ -92,7 +94,7 @@ class DecodeConfig:
 
     @property
     def effective_eta(self) -> float:
-        """The eta actually used: the given one, 10.0 for ``rapid`` by default, else 0."""
+        """The eta actually used: the given one, 2.0 for ``rapid`` by default, else 0."""
         if self.mode != "rapid":
             return 0.0
         return DEFAULT_RAPID_ETA if self.eta is None else float(self.eta)

@@ -17,7 +17,7 @@ import sys
 from rapidspec.errors import RapidspecError
 
 # Subcommand modules, in the order `rapidspec --help` lists them.
-COMMANDS = ("retrieve",)
+COMMANDS = ("generate", "demo", "retrieve")
 
 
 def build_parser() -> argparse.ArgumentParser:

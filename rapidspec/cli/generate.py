@@ -1,0 +1,54 @@
+"""``rapidspec generate``: answer a question about a long document, streaming the answer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+
+from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_engine
+from rapidspec.cli.render import stats_table
+from rapidspec.errors import RapidspecError
+from rapidspec.textio import read_text
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="answer a question about a long document",
+        description="Stream the answer to stdout, then the statistics (a table on stderr, or JSON with --json).",
+    )
+    parser.add_argument("--document", required=True, help="document file (UTF-8), or - for stdin")
+    parser.add_argument("--question", required=True, help="the question")
+    parser.add_argument("--query", default=None, help="retrieval query (default: the question)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (answer, stats, retrieval) instead")
+    add_model_options(parser)
+    add_decode_options(parser)
+    add_retrieval_options(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = decode_config(args)  # validate options before loading any model
+    document = read_text(args.document)
+    if not document.strip():
+        raise RapidspecError(f"the document {args.document} is empty")
+    if not args.question.strip():
+        raise RapidspecError("the question is empty")
+    engine = load_engine(args)
+    output = None
+    for chunk in engine.stream(document, args.question, query=args.query, config=config):
+        if chunk.output is not None:
+            output = chunk.output
+        elif not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    assert output is not None
+    if args.json:
+        print(json.dumps(output.to_dict(), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        Console(stderr=True).print(stats_table([(config.mode, output.stats)]))
+    return 0

@@ -1,0 +1,77 @@
+"""Option groups shared by the subcommands; they map one to one onto the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from rapidspec.config import MODES, DecodeConfig
+from rapidspec.retrieval import METHODS, RetrievalConfig
+
+_DEFAULT_DECODE = DecodeConfig()
+_DEFAULT_RETRIEVAL = RetrievalConfig()
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models")
+    group.add_argument("--target", default="builtin", help="target model: builtin, an HF id or local dir, a .gguf file (default: builtin)")
+    group.add_argument("--drafter", default=None, help="drafter model (default: the target's weights, own cache)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype (default: auto)")
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    group.add_argument("--drafter-device", default=None, help="device of the drafter (default: --device)")
+
+
+def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> None:
+    group = parser.add_argument_group("decoding")
+    if modes:
+        group.add_argument("--mode", default=_DEFAULT_DECODE.mode, choices=MODES, help="lc, rag, sd, ragsd or rapid (default: rapid)")
+    group.add_argument("--eta", type=float, default=None, help="retrieval-augmented target strength (rapid only; default 2)")
+    group.add_argument("--gamma", type=int, default=_DEFAULT_DECODE.gamma, help="drafted tokens per round (default: %(default)s)")
+    group.add_argument("--gamma-schedule", default=_DEFAULT_DECODE.gamma_schedule, choices=["constant", "heuristic"], help="adapt gamma to acceptance (default: constant)")
+    group.add_argument("--max-gamma", type=int, default=_DEFAULT_DECODE.max_gamma, help="largest gamma of the heuristic schedule")
+    group.add_argument("--temperature", type=float, default=_DEFAULT_DECODE.temperature, help="0 = greedy (default: 0)")
+    group.add_argument("--top-k", type=int, default=_DEFAULT_DECODE.top_k, help="top-k filter, 0 = off")
+    group.add_argument("--top-p", type=float, default=_DEFAULT_DECODE.top_p, help="nucleus filter in (0, 1]")
+    group.add_argument("--draft-gate", type=float, default=_DEFAULT_DECODE.draft_gate, help="alpha of the gate q >= alpha*max(q) (default: %(default)s)")
+    group.add_argument("--residual", default=_DEFAULT_DECODE.residual, choices=["exact", "paper"], help="resampling rule after a rejection")
+    group.add_argument("--max-new-tokens", type=int, default=_DEFAULT_DECODE.max_new_tokens, help="answer length limit (default: %(default)s)")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    group.add_argument("--truncate", default=_DEFAULT_DECODE.truncate, choices=["middle", "error"], help="what to do with a document longer than the window")
+
+
+def add_retrieval_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("retrieval (drafter context)")
+    group.add_argument("--retrieval", default=_DEFAULT_RETRIEVAL.method, choices=METHODS, help="retrieval method (default: hybrid)")
+    group.add_argument("--budget-tokens", type=int, default=None, help="retrieved tokens (default: clamp(doc_tokens // 16, 256, 4096))")
+    group.add_argument("--chunk-tokens", type=int, default=_DEFAULT_RETRIEVAL.chunk_tokens, help="tokens per chunk (default: %(default)s)")
+    group.add_argument("--embedding-model", default=_DEFAULT_RETRIEVAL.embedding_model, help="sentence-transformers model for dense retrieval (default: builtin MiniLM)")
+
+
+def decode_config(args: argparse.Namespace, **overrides) -> DecodeConfig:
+    """The DecodeConfig described by parsed options (field names match)."""
+    values = {f.name: getattr(args, f.name) for f in fields(DecodeConfig) if hasattr(args, f.name)}
+    values["stop"] = tuple(values.get("stop") or ())
+    values.update(overrides)
+    return DecodeConfig(**values)
+
+
+def retrieval_config(args: argparse.Namespace) -> RetrievalConfig:
+    return RetrievalConfig(
+        method=args.retrieval,
+        budget_tokens=args.budget_tokens,
+        chunk_tokens=args.chunk_tokens,
+        embedding_model=args.embedding_model,
+    )
+
+
+def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):
+    """Load the target (and drafter) named by the options and build a Rapid engine."""
+    from rapidspec.engine import Rapid
+    from rapidspec.models import load_model
+
+    target = load_model(args.target, dtype=args.dtype, device=args.device)
+    drafter = None
+    if args.drafter is not None:
+        drafter = load_model(args.drafter, dtype=args.dtype, device=args.drafter_device or args.device)
+    return Rapid(target, drafter, retrieval=retrieval_config(args), reuse_document_cache=reuse_document_cache)

@@ -1,0 +1,42 @@
+"""Human-readable statistics tables (rich) shared by generate, demo and bench."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.table import Table
+
+from rapidspec.stats import GenerationStats
+
+# (label, how to read the value from a GenerationStats)
+ROWS: tuple[tuple[str, object], ...] = (
+    ("prompt tokens (target / drafter)", lambda s: f"{s.prompt_tokens_target} / {s.prompt_tokens_drafter or '-'}"),
+    ("retrieved tokens (chunks)", lambda s: f"{s.retrieved_tokens} ({s.retrieved_chunks})" if s.retrieved_chunks else "-"),
+    ("retrieval s", lambda s: f"{s.retrieval_seconds:.2f}"),
+    ("target prefill s", lambda s: f"{s.target_prefill_seconds:.2f}" + (f" (reused {s.target_prefill_reused_tokens} tok)" if s.target_prefill_reused_tokens else "")),
+    ("drafter prefill s", lambda s: f"{s.drafter_prefill_seconds:.2f}"),
+    ("decode s", lambda s: f"{s.decode_seconds:.2f}"),
+    ("new tokens", lambda s: str(s.new_tokens)),
+    ("decode tokens/s", lambda s: _num(s.decode_tokens_per_second, "{:.2f}")),
+    ("rounds", lambda s: str(s.rounds)),
+    ("drafted / accepted", lambda s: f"{s.drafted_tokens} / {s.accepted_tokens}" if s.drafted_tokens else "-"),
+    ("acceptance rate", lambda s: _num(s.acceptance_rate, "{:.1%}")),
+    ("mean accepted length", lambda s: _num(s.mean_accepted_length, "{:.2f}")),
+    ("per-position acceptance", lambda s: " ".join(f"{a:.2f}" for a in s.per_position_acceptance) or "-"),
+    ("stop reason", lambda s: s.stop_reason),
+)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def stats_table(columns: Sequence[tuple[str, GenerationStats]], title: str | None = None) -> Table:
+    """A table with one column per (name, stats) pair."""
+    table = Table(title=title)
+    table.add_column("")
+    for name, _ in columns:
+        table.add_column(name, justify="right")
+    for label, read in ROWS:
+        table.add_row(label, *(read(stats) for _, stats in columns))
+    return table
