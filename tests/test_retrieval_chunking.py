@@ -54,7 +54,7 @@ def check_contract(document: str, chunks, tok, chunk_tokens: int, overlap: int) 
         assert c.index == i
         assert document[c.char_start : c.char_end] == c.text
         assert c.span == (c.char_start, c.char_end)
-        assert c.text and c.text == c.text.strip()
+        assert c.text and c.text == c.text.strip(" \t\r\n")  # Rust and Python disagree on e.g. "\x1f"
         assert c.num_tokens == len(tok.encode(c.text, add_special_tokens=False))
     for a, b in zip(chunks, chunks[1:]):
         assert a.char_start < b.char_start

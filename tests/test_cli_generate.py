@@ -1,0 +1,71 @@
+"""`rapidspec generate` and `rapidspec demo`: error codes (fast) and end-to-end runs (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rapidspec.cli import main
+
+
+@pytest.fixture()
+def document(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text("The lighthouse keeper's cat is called Biscuit.\n\n" * 20, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--eta", "-1"], "eta"),
+        (["--gamma", "0"], "gamma"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--mode", "sd", "--eta", "3"], "eta"),
+        (["--target", "/nonexistent/model-dir"], "model"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(document, capsys, extra, message):
+    code = main(["generate", "--document", str(document), "--question", "Cat?", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_missing_empty_and_binary_documents(tmp_path, capsys):
+    assert main(["generate", "--document", str(tmp_path / "missing.txt"), "--question", "Q?"]) == 2
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n", encoding="utf-8")
+    assert main(["generate", "--document", str(empty), "--question", "Q?"]) == 2
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81 not utf-8")
+    assert main(["generate", "--document", str(binary), "--question", "Q?"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3 and all(line.startswith("rapidspec generate: error:") for line in errors)
+
+
+@pytest.mark.slow
+def test_generate_json_end_to_end(document, capsys):
+    code = main([
+        "generate", "--document", str(document), "--question", "What is the cat called?",
+        "--mode", "rapid", "--max-new-tokens", "12", "--retrieval", "bm25", "--json",
+    ])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    result = json.loads(out[-1])
+    assert result["mode"] == "rapid" and result["text"]
+    assert result["stats"]["new_tokens"] >= 1 and result["stats"]["rounds"] >= 1
+    assert result["retrieval"]["chunks"]
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(capsys):
+    code = main(["demo", "--document-tokens", "1500", "--max-new-tokens", "16", "--retrieval", "bm25", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0
+    assert set(result["outputs"]) == {"lc", "rapid"}
+    assert result["decode_speedup"] > 0 and result["end_to_end_speedup"] > 0
+    assert result["outputs"]["rapid"]["stats"]["drafted_tokens"] > 0

@@ -1,0 +1,28 @@
+"""The engine on the real built-in model (SmolLM2-135M-Instruct) and a real ~4K-token document."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidspec import Rapid, load_model
+from rapidspec.demo_document import demo_document
+from rapidspec.retrieval import RetrievalConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def builtin_fp32():
+    return load_model("builtin", dtype="float32")
+
+
+def test_greedy_rapid_eta_zero_reproduces_lc_exactly(builtin_fp32):
+    item = demo_document(target_tokens=4000, tokenizer=builtin_fp32.tokenizer)
+    engine = Rapid(builtin_fp32, retrieval=RetrievalConfig(method="bm25"))
+    lc = engine.generate(item.document, item.question, mode="lc", max_new_tokens=48)
+    rapid = engine.generate(item.document, item.question, mode="rapid", eta=0.0, gamma=6, max_new_tokens=48)
+    assert lc.stats.prompt_tokens_target > 3500
+    assert rapid.token_ids == lc.token_ids
+    assert rapid.stats.drafted_tokens > 0 and rapid.stats.accepted_tokens > 0
+    # the second run reused the document prefix of the first
+    assert rapid.stats.target_prefill_reused_tokens > 3000

@@ -1,0 +1,215 @@
+"""Retriever end to end: needle finding, budgets, order, caching, dense and hybrid paths."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rapidspec.errors import RapidspecError
+from rapidspec.retrieval import RetrievalConfig, Retriever, build_query
+
+WORDS = (
+    "the of and river mountain village winter summer merchant sailor garden letter window lantern "
+    "market bridge harbor story evening morning travel old young quiet bright dark road"
+).split()
+NEEDLE = "The secret password for the vault is swordfish-42."
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained here in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator([" ".join(WORDS)] * 20 + [NEEDLE], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def haystack(paragraphs: int = 200, seed: int = 0, needle_at: int | None = None) -> str:
+    rng = random.Random(seed)
+    out = []
+    for i in range(paragraphs):
+        sentences = [" ".join(rng.choices(WORDS, k=rng.randint(6, 14))).capitalize() + "." for _ in range(3)]
+        if i == needle_at:
+            sentences.insert(1, NEEDLE)
+        out.append(" ".join(sentences))
+    return "\n\n".join(out)
+
+
+class BagOfWordsEmbedder:
+    """A deterministic stand-in for a SentenceTransformer (hashing bag of words)."""
+
+    def __init__(self, dim: int = 64) -> None:
+        self.dim = dim
+        self.calls = 0
+
+    def encode(self, texts, **kwargs):
+        self.calls += 1
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in enumerate(texts):
+            for word in text.lower().replace(".", " ").replace("?", " ").split():
+                out[row, sum(map(ord, word)) % self.dim] += 1.0
+        return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def test_bm25_finds_the_needle(tok):
+    doc = haystack(400, needle_at=317)
+    r = Retriever(RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=64), tokenizer=tok)
+    result = r.retrieve(doc, "What is the secret password for the vault?")
+    assert NEEDLE in result.text
+    assert result.chunks[0].rank == 1 and result.chunks[0].score > 0
+    assert r._embedder is None  # BM25 never loads an embedder
+
+
+def test_result_contract(tok):
+    doc = haystack(300, needle_at=5)
+    r = Retriever(RetrievalConfig(method="bm25", chunk_tokens=48, budget_tokens=300), tokenizer=tok)
+    result = r.retrieve(doc, "secret password vault river")
+    assert result.num_tokens == sum(c.num_tokens for c in result.chunks) <= 300
+    assert [c.char_start for c in result.chunks] == sorted(c.char_start for c in result.chunks)
+    assert result.text == "\n\n".join(doc[a:b] for a, b in result.spans)
+    assert all(doc[c.char_start : c.char_end] == c.text for c in result.chunks)
+    d = json.loads(json.dumps(result.to_dict()))
+    assert d["method"] == "bm25" and d["budget_tokens"] == 300 and d["num_tokens"] == result.num_tokens
+    assert {"char_start", "char_end", "score", "rank", "num_tokens", "text", "index"} <= set(d["chunks"][0])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(budget=st.integers(40, 2000), chunk_tokens=st.integers(24, 120), method=st.sampled_from(["bm25", "dense", "hybrid"]))
+def test_budget_never_exceeded(tok, budget, chunk_tokens, method):
+    doc = haystack(60, seed=budget)
+    config = RetrievalConfig(method=method, chunk_tokens=chunk_tokens, budget_tokens=budget)
+    r = Retriever(config, tokenizer=tok, embedder=BagOfWordsEmbedder())
+    try:
+        result = r.retrieve(doc, "winter harbor lantern")
+    except RapidspecError:
+        assert min(c.num_tokens for c in r.chunks(doc)) > budget
+        return
+    assert 0 < result.num_tokens <= budget
+    assert [c.index for c in result.chunks] == sorted(c.index for c in result.chunks)
+
+
+def test_default_budget_and_min_score(tok):
+    doc = haystack(400)
+    r = Retriever(RetrievalConfig(method="bm25", chunk_tokens=64), tokenizer=tok)
+    result = r.retrieve(doc, "harbor")
+    assert result.budget_tokens == max(256, min(4096, result.document_tokens // 16))
+    strict = Retriever(RetrievalConfig(method="bm25", chunk_tokens=64, min_score=1e9), tokenizer=tok)
+    assert strict.retrieve(doc, "harbor").chunks == ()
+
+
+def test_hybrid_scores_are_rrf_of_bm25_and_dense(tok):
+    doc = haystack(80, needle_at=40)
+    embedder = BagOfWordsEmbedder()
+    make = lambda m: Retriever(RetrievalConfig(method=m, chunk_tokens=64), tokenizer=tok, embedder=embedder)  # noqa: E731
+    query = "secret vault password"
+    bm25, dense, hybrid = (make(m).scores(doc, query) for m in ("bm25", "dense", "hybrid"))
+    n = len(bm25)
+    expected = np.zeros(n)
+    bm25_order = [i for i in np.argsort(-bm25, kind="stable") if bm25[i] > 0]
+    for rank, i in enumerate(bm25_order, 1):
+        expected[i] += 1 / (60 + rank)
+    for rank, i in enumerate(np.argsort(-dense, kind="stable"), 1):
+        expected[i] += 1 / (60 + rank)
+    assert hybrid == pytest.approx(expected)
+    assert NEEDLE in make("hybrid").retrieve(doc, query).text
+
+
+def test_document_work_is_cached(tok):
+    doc = haystack(100)
+    embedder = BagOfWordsEmbedder()
+    r = Retriever(RetrievalConfig(method="hybrid", chunk_tokens=64), tokenizer=tok, embedder=embedder)
+    first = r.retrieve(doc, "winter")
+    calls_after_first = embedder.calls  # chunk embeddings + one query
+    r.retrieve(doc, "summer garden")
+    assert embedder.calls == calls_after_first + 1  # only the new query is embedded
+    assert r.chunks(doc) is r.chunks(doc)
+    assert first.num_document_chunks == len(r.chunks(doc))
+
+
+def test_cache_is_bounded(tok):
+    r = Retriever(RetrievalConfig(method="bm25", chunk_tokens=64, max_cached_documents=2), tokenizer=tok)
+    for seed in range(4):
+        r.retrieve(haystack(5, seed=seed), "river")
+    assert len(r._documents) == 2
+
+
+@pytest.mark.parametrize("document, query, message", [
+    ("", "q", "document is empty"),
+    (" \n\r\n\t", "q", "document is empty"),
+    ("some text here", "  ", "query is empty"),
+])
+def test_empty_inputs_are_errors(tok, document, query, message):
+    r = Retriever(RetrievalConfig(method="bm25"), tokenizer=tok)
+    with pytest.raises(RapidspecError, match=message):
+        r.retrieve(document, query)
+
+
+def test_budget_below_every_chunk_is_an_error(tok):
+    r = Retriever(RetrievalConfig(method="bm25", chunk_tokens=200, budget_tokens=3), tokenizer=tok)
+    with pytest.raises(RapidspecError, match="smaller than every candidate chunk"):
+        r.retrieve(haystack(10), "river")
+
+
+def test_unknown_embedding_model_is_a_clear_error(tok, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    r = Retriever(RetrievalConfig(method="dense", embedding_model=missing), tokenizer=tok)
+    with pytest.raises(RapidspecError, match="not available offline"):
+        r.retrieve(haystack(5), "river")
+
+
+def test_build_query():
+    assert build_query("Who?") == "Who?"
+    assert build_query("Who?", ["A. Ann", "B. Bob"]) == "Who?\nA. Ann\nB. Bob"
+
+
+def test_dense_with_the_builtin_offline_model(tok):
+    doc = "\n\n".join([
+        "Photosynthesis lets plants turn sunlight, water and carbon dioxide into sugar and oxygen.",
+        "The stock market fell sharply on Tuesday after the central bank raised interest rates.",
+        "Our football team won the championship final with a late goal in extra time.",
+        "Volcanoes erupt when molten rock from deep underground reaches the surface.",
+    ] * 3)
+    r = Retriever(RetrievalConfig(method="dense", chunk_tokens=32, budget_tokens=32), tokenizer=tok)
+    result = r.retrieve(doc, "How do green plants make their food from light?")
+    assert "Photosynthesis" in result.text
+    assert -1.0 <= result.chunks[0].score <= 1.0 and result.chunks[0].score > 0.3
+    hybrid = Retriever(RetrievalConfig(method="hybrid", chunk_tokens=32, budget_tokens=32), tokenizer=tok, embedder=r.embedder)
+    assert "The stock market" in hybrid.retrieve(doc, "Why did share prices drop after the interest rate decision?").text
+
+
+@pytest.mark.slow
+def test_long_chunks_are_embedded_in_windows():
+    from rapidspec.retrieval.dense import load_embedder, split_windows
+
+    embedder = load_embedder()
+    long_text = " ".join(["lantern"] * 600) + " the final window mentions a volcano"
+    windows, owners = split_windows(embedder, ["short text", long_text])
+    assert owners.tolist()[0] == 0 and owners.tolist().count(1) >= 3
+    assert windows[0] == "short text" and "volcano" in windows[-1]
+
+
+@pytest.mark.slow
+def test_builtin_tokenizer_counts_match():
+    from rapidspec.retrieval import resolve_tokenizer
+
+    tok = resolve_tokenizer("builtin")
+    doc = haystack(50, needle_at=20)
+    result = Retriever(RetrievalConfig(method="bm25", chunk_tokens=128, budget_tokens=128), tokenizer=tok).retrieve(doc, "secret password")
+    assert NEEDLE in result.text
+    assert all(c.num_tokens == len(tok.encode(c.text, add_special_tokens=False)) <= 128 for c in result.chunks)
