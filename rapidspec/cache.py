@@ -46,8 +46,9 @@ class KVCache:
     def forward(self, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
         """Append ``token_ids`` and return the logits of the last ``num_logits`` of them.
 
-        Returns float32 logits of shape [num_logits, V]; row j predicts the
-        token after ``token_ids[len - num_logits + j]``.
+        Returns float32 logits of shape [num_logits, V] on :attr:`device` (the
+        device of the input embeddings, also for models split over several
+        GPUs); row j predicts the token after ``token_ids[len - num_logits + j]``.
         """
         if not token_ids:
             raise ValueError("forward needs at least one token")
@@ -61,7 +62,7 @@ class KVCache:
             logits_to_keep=num_logits,
         )
         self._token_ids.extend(int(t) for t in token_ids)
-        return out.logits[0, -num_logits:].float()  # [num_logits, V]
+        return out.logits[0, -num_logits:].to(self.device).float()  # [num_logits, V]
 
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
         """Append a long sequence in chunks (bounded activation memory).

@@ -151,8 +151,8 @@ def demo_document(target_tokens: int = DEFAULT_TARGET_TOKENS, tokenizer: Any | N
     boundary nearest the middle. The needle is included in the count, so the
     document is ``target_tokens`` within a sentence or so. Deterministic.
     """
-    if target_tokens < 200:
-        raise RapidspecError(f"target_tokens must be at least 200, got {target_tokens}")
+    if target_tokens < 256:
+        raise RapidspecError(f"target_tokens must be at least 256, got {target_tokens}")
     count = _counter(tokenizer)
     separator = 1 if tokenizer is None else count("a\n\nb") - count("a") - count("b")
     budget = target_tokens - count(NEEDLE) - separator

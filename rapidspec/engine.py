@@ -20,6 +20,7 @@ pending token, pick the next one.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -155,7 +156,7 @@ class Rapid:
         target_device = self.target.model.device
         if generator is None:
             generator = torch.Generator(device=target_device)
-            generator.manual_seed(config.seed if config.seed is not None else torch.seed() % 2**63)
+            generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
 
         with torch.inference_mode():
             # 0 retrieval

@@ -263,6 +263,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -282,6 +283,21 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+
+
+def _remove_stale_temporaries(target: Path, max_age_s: float = 3600.0) -> None:
+    """Delete temporary siblings of ``target`` left by a killed conversion.
+
+    Only those older than ``max_age_s`` go, so a conversion running in
+    another process right now is left alone.
+    """
+    now = time.time()
+    for leftover in target.parent.glob(f".{target.name}.*"):
+        try:
+            if now - leftover.stat().st_mtime > max_age_s:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _load_pretrained(

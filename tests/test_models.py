@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -68,9 +70,10 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
 
 
 @pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    """Every test gets its own rapidspec cache unless it opts into the real one."""
-    monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path / "cache"))
+def isolated_cache(request, tmp_path, monkeypatch):
+    """Every fast test gets its own rapidspec cache; slow ones use the user's."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture
@@ -289,6 +292,19 @@ def test_interrupted_conversion_leaves_no_cache(fake_gguf, monkeypatch):
     assert list(cached.parent.iterdir()) == []
 
 
+def test_stale_temporaries_of_a_killed_conversion_are_removed(fake_gguf):
+    path, _ = fake_gguf
+    cached = gguf_cache_dir(path)
+    cached.parent.mkdir(parents=True)
+    stale, fresh = cached.parent / f".{cached.name}.old", cached.parent / f".{cached.name}.new"
+    stale.mkdir()
+    fresh.mkdir()
+    an_hour_ago = time.time() - 7200
+    os.utime(stale, (an_hour_ago, an_hour_ago))
+    load_model(str(path), dtype="float32", device="cpu")
+    assert not stale.exists() and fresh.exists() and cached.is_dir()
+
+
 # ---------------------------------------------------------------- vocabulary
 
 
@@ -316,20 +332,18 @@ def test_padded_embeddings_with_same_tokenizer_are_compatible(tmp_path):
 
 @pytest.fixture(scope="module")
 def builtin_float32():
-    """The built-in model from the real user cache (converted once per machine).
-
-    Module-scoped fixtures run before the function-scoped ``isolated_cache``,
-    so this sees the user's own cache settings.
-    """
+    """The built-in model from the user cache (converted once per machine)."""
     return load_model("builtin", dtype="float32", device="cpu")
 
 
 @pytest.mark.slow
-def test_builtin_loads_and_answers(builtin_float32):
+def test_builtin_loads_with_auto_dtype_and_answers():
+    """The demo question, on an excerpt around the needle, greedy."""
     from rapidspec.demo_document import demo_document, demo_prompt
 
-    target = builtin_float32
+    target = load_model("builtin")
     assert target.name == "builtin" and target.max_context == 8192
+    assert target.dtype == (torch.bfloat16 if models.cpu_supports_bf16() else torch.float32)
     item = demo_document()
     p = item.needle_position
     start = item.document.rfind("\n\n", 0, p - 1200) + 2
@@ -358,3 +372,4 @@ def test_builtin_cache_matches_direct_gguf_load(builtin_float32):
     assert ids[0].tolist() == direct_tokenizer(text).input_ids
     check_same_vocabulary(direct_tokenizer, builtin_float32.tokenizer)
     assert torch.equal(logits(direct, ids), logits(builtin_float32.model, ids))
+

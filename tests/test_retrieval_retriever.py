@@ -213,3 +213,23 @@ def test_builtin_tokenizer_counts_match():
     result = Retriever(RetrievalConfig(method="bm25", chunk_tokens=128, budget_tokens=128), tokenizer=tok).retrieve(doc, "secret password")
     assert NEEDLE in result.text
     assert all(c.num_tokens == len(tok.encode(c.text, add_special_tokens=False)) <= 128 for c in result.chunks)
+
+
+def test_default_budget_cuts_chunks_to_fit():
+    """A document just over the 256-token minimum budget, in one long paragraph:
+    with the default budget the chunks are cut to fit it (never an error)."""
+    tok = tiny_tokenizer()
+    document = " ".join(random.Random(3).choices(WORDS, k=400)) + " " + NEEDLE
+    document_tokens = len(tok(document, add_special_tokens=False)["input_ids"])
+    assert 256 < document_tokens < 512
+    result = Retriever(RetrievalConfig(method="bm25", chunk_tokens=512), tokenizer=tok).retrieve(
+        document, "What is the secret password for the vault?"
+    )
+    assert result.budget_tokens == 256
+    assert 0 < result.num_tokens <= 256
+    assert NEEDLE in result.text
+    # An explicit budget smaller than every chunk is still refused.
+    with pytest.raises(RapidspecError, match="budget"):
+        Retriever(RetrievalConfig(method="bm25", chunk_tokens=512, budget_tokens=100), tokenizer=tok).retrieve(
+            document, "password?"
+        )

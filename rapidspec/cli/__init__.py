@@ -17,7 +17,7 @@ import sys
 from rapidspec.errors import RapidspecError
 
 # Subcommand modules, in the order `rapidspec --help` lists them.
-COMMANDS = ("generate", "demo", "retrieve")
+COMMANDS = ("generate", "demo", "retrieve", "bench", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -153,7 +153,7 @@ class Retriever:
             raise RapidspecError("a tokenizer is required to count tokens")
         self.config = config or RetrievalConfig()
         self.tokenizer = tokenizer
-        self._chunker = Chunker(tokenizer, self.config.chunk_tokens, self.config.overlap_tokens)
+        self._chunkers: dict[int, Chunker] = {}
         self._embedder = embedder
         self._documents: OrderedDict[str, _DocumentState] = OrderedDict()
 
@@ -177,7 +177,10 @@ class Retriever:
         """The best chunks for ``query`` within the budget, in document order.
 
         The budget is ``config.budget_tokens`` or, when None,
-        ``clamp(document_tokens // 16, 256, 4096)``.
+        ``clamp(document_tokens // 16, 256, 4096)``. With that default budget,
+        chunks are cut at ``min(chunk_tokens, budget)`` tokens so that the best
+        chunk always fits (an explicit budget smaller than every chunk is an
+        error instead).
 
         Raises:
             RapidspecError: empty document or query, no chunk fits the budget,
@@ -186,10 +189,12 @@ class Retriever:
         started = time.perf_counter()
         _check_text("query", query)
         state = self._state(document)
+        document_tokens = sum(c.num_tokens for c in state.chunks)
+        budget = self.config.budget_tokens or default_budget(document_tokens)
+        if self.config.budget_tokens is None and budget < self.config.chunk_tokens:
+            state = self._state(document, chunk_tokens=budget)
         scores = self._scores(state, query)
         counts = [c.num_tokens for c in state.chunks]
-        document_tokens = sum(counts)
-        budget = self.config.budget_tokens or default_budget(document_tokens)
         chosen = select_chunks(scores, counts, budget, min_score=self.config.min_score)
         if not chosen:
             logger.warning("no chunk scored at least min_score=%s; the context is empty", self.config.min_score)
@@ -217,13 +222,20 @@ class Retriever:
 
     # -- internals -------------------------------------------------------
 
-    def _state(self, document: str) -> _DocumentState:
+    def _chunker(self, chunk_tokens: int) -> Chunker:
+        if chunk_tokens not in self._chunkers:
+            overlap = min(self.config.overlap_tokens, chunk_tokens - 1)
+            self._chunkers[chunk_tokens] = Chunker(self.tokenizer, chunk_tokens, overlap)
+        return self._chunkers[chunk_tokens]
+
+    def _state(self, document: str, chunk_tokens: int | None = None) -> _DocumentState:
         _check_text("document", document)
-        key = self._document_key(document)
+        chunk_tokens = chunk_tokens or self.config.chunk_tokens
+        key = self._document_key(document, chunk_tokens)
         state = self._documents.get(key)
         if state is None:
             t0 = time.perf_counter()
-            state = _DocumentState(self._chunker.chunk(document))
+            state = _DocumentState(self._chunker(chunk_tokens).chunk(document))
             logger.info("chunked %d chars into %d chunks in %.2f s", len(document), len(state.chunks), time.perf_counter() - t0)
             self._documents[key] = state
             while len(self._documents) > self.config.max_cached_documents:
@@ -231,9 +243,8 @@ class Retriever:
         self._documents.move_to_end(key)
         return state
 
-    def _document_key(self, document: str) -> str:
-        c = self.config
-        h = hashlib.sha256(f"{c.chunk_tokens}\0{c.overlap_tokens}\0".encode())
+    def _document_key(self, document: str, chunk_tokens: int) -> str:
+        h = hashlib.sha256(f"{chunk_tokens}\0{self.config.overlap_tokens}\0".encode())
         h.update(document.encode("utf-8", "surrogatepass"))
         return h.hexdigest()
 

@@ -1,0 +1,147 @@
+"""``rapidspec bench``: decode speed of every mode against context length, speedups vs ``lc``.
+
+Prints a table per run (and a profile table with ``--profile``) on stdout, then
+one JSON object as the last stdout line; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_engine
+from rapidspec.errors import RapidspecError
+from rapidspec.evaluation import speed
+
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure decode speed of each mode against context length",
+        description=(
+            "Runs every mode on the same inputs (the demo document at each --lengths, or --data records) "
+            "and reports prefill times, decode tokens/s, acceptance, and decode and end-to-end speedups "
+            "against lc measured in the same run; greedy outputs are compared with lc token for token. "
+            "hf-assisted is transformers' own assisted generation with the same drafter on the full prompt."
+        ),
+    )
+    parser.add_argument("--lengths", default=None,
+                        help="target prompt lengths in tokens, comma-separated (default: 1024,2048,4096,8192 up to the window)")
+    parser.add_argument("--modes", default=",".join(speed.DEFAULT_MODES),
+                        help=f"comma-separated, from {','.join(speed.BENCH_MODES)} (default: %(default)s; lc is always run)")
+    parser.add_argument("--data", default=None, help="JSON list or JSONL of {document, question} records instead of the demo document")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode and input; medians are reported (default: 3)")
+    parser.add_argument("--sweep", default=None, help="run rapid at each value: eta=0,1,2,5,10 or gamma=2,4,6,8 (replaces --modes)")
+    parser.add_argument("--profile", action="store_true", help="split decode time into draft, verify, accept and bookkeeping")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="write a figure of throughput and speedup against length")
+    add_model_options(parser)
+    add_decode_options(parser, modes=False)
+    add_retrieval_options(parser)
+    # 256-token chunks: the default 512 exceeds the default budget (doc/16, at least 256) below ~8K tokens.
+    parser.set_defaults(handler=run, max_new_tokens=64, chunk_tokens=256)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Validate everything that does not need the model before loading it.
+    base = decode_config(args, mode="rapid")
+    modes = speed.parse_modes(args.modes)
+    sweep = speed.parse_sweep(args.sweep) if args.sweep else None
+    if args.repeats < 1:
+        raise RapidspecError(f"--repeats must be >= 1, got {args.repeats}")
+    lengths = speed.parse_lengths(args.lengths, max_context=1 << 30) if args.lengths else None
+    if args.data and args.lengths:
+        raise RapidspecError("--lengths applies to the demo document; --data records are used as they are")
+    items = speed.load_items(args.data) if args.data else None
+
+    err = Console(stderr=True)
+    with err.status("loading the model"):
+        engine = load_engine(args, reuse_document_cache=False)
+    window = engine.target.max_context
+    if items is None:
+        if lengths is None:
+            lengths = tuple(n for n in DEFAULT_LENGTHS if n <= window) or (window,)
+        lengths = speed.parse_lengths(lengths, window)
+        items = speed.demo_items(engine.tokenizer, lengths, window, base.max_new_tokens)
+
+    columns = speed.variants(modes, base, sweep)
+    total = speed.count_generations(len(items), len(columns), args.repeats)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task("bench", total=total)
+        first = [True]
+
+        def note(message: str) -> None:
+            if not first[0]:
+                progress.advance(task)
+            first[0] = False
+            progress.update(task, description=message)
+
+        report = speed.run_benchmark(engine, items, modes, base, args.repeats, sweep, args.profile, progress=note)
+        progress.advance(task)
+
+    out = Console(width=None if Console().is_terminal else 160)  # do not squeeze the table when piped
+    out.print(results_table(report))
+    if args.profile:
+        out.print(profile_table(report))
+    if args.plot:
+        from rapidspec.evaluation.plot import plot_report
+
+        err.print(f"figure written to {plot_report(report, args.plot)}")
+    print(json.dumps(report.to_dict(), ensure_ascii=False))
+    return 0
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def results_table(report: speed.BenchReport) -> Table:
+    """One row per input and mode: prefill, decode speed, acceptance, speedups and equality with lc."""
+    what = f"rapid, {report.sweep.param} sweep" if report.sweep else "modes"
+    table = Table(title=(
+        f"rapidspec bench ({what}): {report.model}, drafter {report.drafter}, {report.device} {report.dtype}, "
+        f"gamma {report.gamma}, eta {report.eta:g}, {report.max_new_tokens} new tokens, median of {report.repeats}"
+    ))
+    for name in ("prompt tok", "mode", "target prefill s", "drafter prefill s", "decode tok/s", "accept rate",
+                 "mean acc len", "decode speedup", "e2e speedup", "= lc"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    previous = None
+    for r in report.results:
+        if previous is not None and r.item_index != previous:
+            table.add_section()
+        previous = r.item_index
+        table.add_row(
+            str(r.prompt_tokens_target),
+            r.label,
+            _fmt(r.target_prefill_seconds, ".2f"),
+            _fmt(r.drafter_prefill_seconds, ".2f"),
+            _fmt(r.decode_tokens_per_second, ".2f"),
+            _fmt(r.acceptance_rate, ".1%"),
+            _fmt(r.mean_accepted_length, ".2f"),
+            _fmt(r.decode_speedup, ".2f") + ("x" if r.decode_speedup is not None else ""),
+            _fmt(r.end_to_end_speedup, ".2f") + ("x" if r.end_to_end_speedup is not None else ""),
+            {True: "yes", False: "no", None: "-"}[r.equals_lc],
+        )
+    return table
+
+
+def profile_table(report: speed.BenchReport) -> Table:
+    """Where speculative decode time goes: ms per round and seconds in total, per phase."""
+    table = Table(title="decode time split (ms per round / s in total)")
+    for name in ("prompt tok", "mode", "rounds", "draft", "verify", "accept math", "bookkeeping"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    for r in report.results:
+        if not r.profile:
+            continue
+        cells = [
+            f"{r.profile[f'{phase}_ms_per_round']:.1f} / {r.profile[f'{phase}_seconds']:.2f}"
+            for phase in ("draft", "verify", "accept", "bookkeeping")
+        ]
+        table.add_row(str(r.prompt_tokens_target), r.label, str(r.rounds), *cells)
+    return table

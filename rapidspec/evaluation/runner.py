@@ -1,0 +1,271 @@
+"""The evaluation loop: every item under every mode, resumable, with a summary.
+
+Contract:
+
+* Order: item by item (items come document by document), and for each item
+  mode by mode, so that the target's document cache built by the first mode
+  serves the next modes and the next questions on the same document.
+* Results file (JSON lines): one record per (item, mode), appended and flushed
+  as soon as it is scored. A record's key is (item id, mode, eta, gamma), with
+  eta the effective one (0 outside ``rapid``) and gamma ``None`` for modes that
+  do not draft, so changing gamma does not rerun ``lc``. A rerun with the same
+  file skips every key already there: nothing is lost or repeated. A partial
+  last line (a run killed mid-write) is dropped on resume. Every record holds
+  the run's ``config`` (model, data, temperature, token limit, retrieval,
+  seed); a file written under another config is an error unless
+  ``overwrite`` (which starts the file afresh).
+* Summary: one row per (task group, mode, eta, gamma) over the records of the
+  current selection: n, the headline metric's mean with a seeded percentile
+  bootstrap 95% interval (1000 resamples), secondary metrics, and the mean
+  speed statistics of the same runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rapidspec.config import DEFAULT_RAPID_ETA, MODES, USES_DRAFTER
+from rapidspec.errors import RapidspecError
+from rapidspec.evaluation.datasets import EvalItem
+from rapidspec.evaluation.metrics import HEADLINE, bootstrap_ci, score_prediction
+
+DEFAULT_MODES = ("lc", "rag", "rapid")
+#: Answer token limit per task type when none is given.
+DEFAULT_MAX_NEW_TOKENS = {"mc": 64, "qa": 64, "needle": 32, "summary": 256}
+SPEED_FIELDS = ("decode_tokens_per_second", "acceptance_rate", "mean_accepted_length", "target_prefill_seconds")
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not modes:
+        raise RapidspecError("--modes is empty")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise RapidspecError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if len(set(modes)) != len(modes):
+        raise RapidspecError(f"--modes repeats a mode: {text}")
+    return modes
+
+
+def record_key(item_id: str, mode: str, eta: float, gamma: int | None) -> tuple:
+    return (item_id, mode, round(float(eta), 6), gamma)
+
+
+def mode_eta_gamma(mode: str, eta: float | None, gamma: int) -> tuple[float, int | None]:
+    """The (eta, gamma) a mode actually runs with, as recorded in keys."""
+    effective_eta = (DEFAULT_RAPID_ETA if eta is None else float(eta)) if mode == "rapid" else 0.0
+    return effective_eta, (gamma if mode in USES_DRAFTER else None)
+
+
+class ResultsFile:
+    """An append-only JSON-lines file of records, read back on resume."""
+
+    def __init__(self, path: str | Path | None, config: dict, overwrite: bool = False) -> None:
+        self.path = Path(path) if path is not None else None
+        self.config = config
+        self.records: list[dict] = []
+        if self.path is None:
+            return
+        if self.path.exists() and not overwrite:
+            self.records = self._load()
+            for record in self.records:
+                if record.get("config") != config:
+                    diff = sorted(
+                        k for k in set(config) | set(record.get("config") or {})
+                        if config.get(k) != (record.get("config") or {}).get(k)
+                    )
+                    raise RapidspecError(
+                        f"{self.path} holds results of another configuration (differs in {', '.join(diff)}); "
+                        "use another --results file or --overwrite"
+                    )
+        else:
+            if self.path.parent and not self.path.parent.exists():
+                self.path.parent.mkdir(parents=True)
+            self.path.write_text("", encoding="utf-8")
+
+    def _load(self) -> list[dict]:
+        raw = self.path.read_bytes()
+        if raw and not raw.endswith(b"\n"):
+            # A run killed mid-write leaves a partial last line: drop it so that appends stay line-aligned.
+            cut = raw.rfind(b"\n") + 1
+            with open(self.path, "r+b") as handle:
+                handle.truncate(cut)
+            raw = raw[:cut]
+        records = []
+        for number, line in enumerate(raw.decode("utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise RapidspecError(f"{self.path} line {number} is not JSON; fix it or use --overwrite") from None
+        return records
+
+    def keys(self) -> set[tuple]:
+        return {record_key(r["id"], r["mode"], r["eta"], r["gamma"]) for r in self.records}
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        if self.path is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+@dataclass
+class SummaryRow:
+    group: str
+    mode: str
+    eta: float
+    gamma: int | None
+    n: int
+    metric: str
+    mean: float
+    ci_low: float
+    ci_high: float
+    extra: dict = field(default_factory=dict)  # secondary metric means (em, unanswered)
+    speed: dict = field(default_factory=dict)  # mean of SPEED_FIELDS over records that have them
+
+    def to_dict(self) -> dict:
+        return {
+            "group": self.group, "mode": self.mode, "eta": self.eta, "gamma": self.gamma, "n": self.n,
+            "metric": self.metric, "mean": self.mean, "ci95": [self.ci_low, self.ci_high], **self.extra, **self.speed,
+        }
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(records: Sequence[dict], seed: int = 0, resamples: int = 1000) -> list[SummaryRow]:
+    """One row per (group, mode, eta, gamma), in first-seen order."""
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for record in records:
+        cells[(record["group"], record["mode"], record["eta"], record["gamma"])].append(record)
+    rows = []
+    for (group, mode, eta, gamma), cell in cells.items():
+        task_type = cell[0]["task_type"]
+        mean, low, high = bootstrap_ci([r["score"] for r in cell], resamples=resamples, seed=seed)
+        extra = {}
+        if task_type in ("qa", "needle"):
+            extra["em"] = _mean([r["metrics"].get("em") for r in cell])
+        if task_type == "mc":
+            extra["unanswered"] = sum(r["metrics"].get("extracted") is None for r in cell)
+        speed = {name: _mean([r["stats"].get(name) for r in cell]) for name in SPEED_FIELDS}
+        rows.append(SummaryRow(group, mode, eta, gamma, len(cell), HEADLINE[task_type], mean, low, high, extra, speed))
+    return rows
+
+
+@dataclass
+class EvalRun:
+    """What :func:`run_eval` did: the records of this selection and their summary."""
+
+    records: list[dict]
+    summary: list[SummaryRow]
+    new_records: int
+    skipped: int
+
+
+def run_eval(
+    items: Sequence[EvalItem],
+    target,
+    *,
+    drafter=None,
+    retrieval=None,
+    modes: Sequence[str] = DEFAULT_MODES,
+    eta: float | None = None,
+    gamma: int = 6,
+    max_new_tokens: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    results: str | Path | None = None,
+    overwrite: bool = False,
+    data_label: str = "",
+    decode_options: dict | None = None,
+    on_record: Callable[[dict], None] | None = None,
+    progress: bool = True,
+) -> EvalRun:
+    """Run every item under every mode and score it.
+
+    ``target`` and ``drafter`` are :class:`rapidspec.models.LoadedModel`
+    objects (or anything :class:`rapidspec.Rapid` accepts); ``retrieval`` a
+    :class:`rapidspec.retrieval.RetrievalConfig`. ``max_new_tokens=None``
+    uses :data:`DEFAULT_MAX_NEW_TOKENS` per task type. ``on_record`` is called
+    after each record is written (tests use it to simulate an interruption).
+    """
+    from rapidspec.engine import Rapid
+    from rapidspec.retrieval import RetrievalConfig
+
+    modes = tuple(modes)
+    for mode in modes:
+        if mode not in MODES:
+            raise RapidspecError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if not items:
+        raise RapidspecError("no items to evaluate")
+    ids = [item.id for item in items]
+    if len(set(ids)) != len(ids):
+        raise RapidspecError("item ids are not unique")
+    retrieval = retrieval or RetrievalConfig()
+    decode_options = dict(decode_options or {})
+    config = {
+        "model": getattr(target, "name", type(target).__name__),
+        "drafter": getattr(drafter, "name", None) if drafter is not None else None,
+        "data": data_label,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "retrieval": {"method": retrieval.method, "chunk_tokens": retrieval.chunk_tokens,
+                      "budget_tokens": retrieval.budget_tokens, "embedding_model": retrieval.embedding_model},
+        **({"decode": decode_options} if decode_options else {}),
+    }
+    store = ResultsFile(results, config, overwrite=overwrite)
+    done = store.keys()
+
+    wanted = [(item, mode, *mode_eta_gamma(mode, eta, gamma)) for item in items for mode in modes]
+    pending = [w for w in wanted if record_key(w[0].id, w[1], w[2], w[3]) not in done]
+    engine = Rapid(target, drafter, retrieval=retrieval) if pending else None
+
+    bar = None
+    if progress and pending:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(wanted), initial=len(wanted) - len(pending), desc="eval", unit="run", dynamic_ncols=True)
+    try:
+        for item, mode, run_eta, run_gamma in pending:
+            engine.template = item.template  # a public attribute; the document cache is keyed by tokens
+            limit = max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type]
+            output = engine.generate(
+                item.document, item.question, query=item.query, mode=mode,
+                eta=run_eta if mode == "rapid" else None, gamma=gamma, temperature=temperature,
+                max_new_tokens=limit, seed=seed, **decode_options,
+            )
+            metrics = score_prediction(item.task_type, output.text, item.answers, len(item.choices))
+            record = {
+                "id": item.id, "group": item.group, "mode": mode, "eta": run_eta, "gamma": run_gamma,
+                "task_type": item.task_type, "prediction": output.text, "gold": list(item.answers),
+                "score": metrics["score"], "metrics": metrics, "stats": output.stats.to_dict(),
+                "retrieved_chunks": len(output.retrieval.chunks) if output.retrieval is not None else None,
+                "config": config,
+            }
+            store.append(record)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{item.group} {mode}", refresh=False)
+            if on_record is not None:
+                on_record(record)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    wanted_keys = {record_key(item.id, mode, e, g) for item, mode, e, g in wanted}
+    selected = [r for r in store.records if record_key(r["id"], r["mode"], r["eta"], r["gamma"]) in wanted_keys]
+    return EvalRun(selected, summarize(selected, seed=seed), new_records=len(pending), skipped=len(wanted) - len(pending))

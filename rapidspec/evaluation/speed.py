@@ -1,0 +1,512 @@
+"""Speed harness behind ``rapidspec bench`` (DESIGN.md sections 5 and 6).
+
+Contract:
+
+* Every mode decodes the same (document, question) pairs in the same process;
+  speedups are ratios against ``lc`` of the same run and the same input
+  (``lc`` is always run, first in each round).
+* One warm-up generation per mode on a short document, then ``repeats``
+  timed rounds; within a round the modes run one after another, so slow drift
+  of a shared machine hits every mode alike. Reported numbers are medians over
+  the rounds (``time.perf_counter``; the engine synchronises GPUs).
+* The engine must be built with ``reuse_document_cache=False``: otherwise a
+  later mode reuses an earlier mode's prefill of the same document.
+* ``hf-assisted`` is transformers' own ``model.generate(..., assistant_model=
+  drafter)`` on the full prompt with the assistant's default settings (what a
+  user gets). Its prefill is timed as a separate ``max_new_tokens=1`` call
+  (target prefill and the first token; the assistant is not run by that call)
+  and its decode time is ``full call - that call`` for ``new_tokens - 1``
+  tokens. The assistant's own prefill of the full prompt therefore falls in
+  decode time: that is where transformers pays it. Acceptance counters are
+  not exposed by transformers and are reported as missing.
+
+Pure library: no printing; progress goes to an optional callback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from rapidspec.config import MODES, DecodeConfig
+from rapidspec.errors import RapidspecError
+from rapidspec.prompts import PromptTemplate, prompt_ids
+
+HF_ASSISTED = "hf-assisted"
+BENCH_MODES: tuple[str, ...] = (*MODES, HF_ASSISTED)
+DEFAULT_MODES: tuple[str, ...] = ("lc", "sd", "ragsd", "rapid", HF_ASSISTED)
+MIN_LENGTH = 256
+SWEEP_PARAMS = {"eta": float, "gamma": int}
+# Characters of the first document used for the warm-up generations.
+WARMUP_CHARS = 1500
+
+
+# ------------------------------------------------------------------ inputs
+
+
+@dataclass(frozen=True)
+class BenchItem:
+    """One input: a document and a question; ``length`` is the requested prompt length (0 = as given)."""
+
+    document: str
+    question: str
+    length: int = 0
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """``--sweep eta=0,1,2``: run ``rapid`` once per value of ``param``."""
+
+    param: str
+    values: tuple[float | int, ...]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of the benchmark: a mode and, for the engine's modes, its config."""
+
+    label: str
+    mode: str
+    config: DecodeConfig | None = None  # None for hf-assisted
+    sweep_value: float | int | None = None
+
+
+def parse_modes(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"lc,sd,rapid"`` -> ("lc", "sd", "rapid"); ``lc`` is put first (speedups need it)."""
+    names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
+    if not names:
+        raise RapidspecError("no modes given")
+    for name in names:
+        if name not in BENCH_MODES:
+            raise RapidspecError(f"unknown mode {name!r}; choose from {', '.join(BENCH_MODES)}")
+    ordered = ["lc"] + [m for m in dict.fromkeys(names) if m != "lc"]
+    return tuple(ordered)
+
+
+def parse_lengths(text: str | Sequence[int], max_context: int) -> tuple[int, ...]:
+    """``"1024,2048"`` -> (1024, 2048), each in [MIN_LENGTH, max_context]."""
+    try:
+        values = [int(v) for v in (text.split(",") if isinstance(text, str) else text) if str(v).strip()]
+    except ValueError:
+        raise RapidspecError(f"lengths must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise RapidspecError("no lengths given")
+    for value in values:
+        if value < MIN_LENGTH:
+            raise RapidspecError(f"length {value} is below the minimum of {MIN_LENGTH} tokens")
+        if value > max_context:
+            raise RapidspecError(f"length {value} is above the model's window of {max_context} tokens")
+    return tuple(dict.fromkeys(values))
+
+
+def parse_sweep(text: str) -> Sweep:
+    """``"eta=0,1,2"`` -> Sweep("eta", (0.0, 1.0, 2.0)); ``gamma`` values are integers >= 1."""
+    name, sep, values = text.partition("=")
+    name = name.strip()
+    if not sep or name not in SWEEP_PARAMS:
+        raise RapidspecError(f"sweep must look like eta=0,1,2 or gamma=2,4,6; got {text!r}")
+    kind = SWEEP_PARAMS[name]
+    try:
+        parsed = tuple(kind(v) for v in values.split(",") if v.strip())
+    except ValueError:
+        raise RapidspecError(f"sweep values of {name} must be {kind.__name__}s, got {values!r}") from None
+    if not parsed:
+        raise RapidspecError(f"sweep {name} has no values")
+    if name == "eta" and any(not math.isfinite(v) or v < 0 for v in parsed):
+        raise RapidspecError(f"eta values must be finite and >= 0, got {values!r}")
+    if name == "gamma" and any(v < 1 for v in parsed):
+        raise RapidspecError(f"gamma values must be >= 1, got {values!r}")
+    return Sweep(name, parsed)
+
+
+def load_items(path: str | Path) -> list[BenchItem]:
+    """Records ``{"document": ..., "question": ...}`` from a JSON list or a JSONL file."""
+    path = Path(path)
+    if not path.is_file():
+        raise RapidspecError(f"data file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    try:
+        stripped = text.lstrip()
+        if stripped.startswith("["):
+            records = json.loads(text)
+        else:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as err:
+        raise RapidspecError(f"{path}: not JSON or JSONL ({err})") from None
+    items = []
+    for number, record in enumerate(records, 1):
+        if not isinstance(record, dict) or not record.get("document") or not record.get("question"):
+            raise RapidspecError(f"{path}: record {number} needs non-empty 'document' and 'question'")
+        items.append(BenchItem(str(record["document"]), str(record["question"])))
+    if not items:
+        raise RapidspecError(f"{path}: no records")
+    return items
+
+
+def demo_items(tokenizer, lengths: Sequence[int], max_context: int, max_new_tokens: int) -> list[BenchItem]:
+    """The demo document family at each length, sized so the target prompt is about ``length`` tokens.
+
+    The prompt must leave room for the answer, so a length near the window is
+    capped at ``max_context - max_new_tokens`` (the table shows real counts).
+    """
+    from rapidspec.demo_document import demo_document
+
+    probe = demo_document(target_tokens=256, tokenizer=tokenizer)
+    overhead = len(prompt_ids(tokenizer, PromptTemplate(), "", probe.question, retrieved=False))
+    items = []
+    for length in lengths:
+        # 16 tokens of slack: fit_document keeps a margin of 8 and token counts shift at seams.
+        prompt_budget = min(length, max_context - max_new_tokens - 16)
+        document_tokens = prompt_budget - overhead
+        if document_tokens < 200:
+            raise RapidspecError(
+                f"length {length} leaves {document_tokens} document tokens after the prompt and "
+                f"{max_new_tokens} new tokens; use a longer length or fewer --max-new-tokens"
+            )
+        item = demo_document(target_tokens=document_tokens, tokenizer=tokenizer)
+        items.append(BenchItem(item.document, item.question, length))
+    return items
+
+
+def variants(modes: Sequence[str], base: DecodeConfig, sweep: Sweep | None = None) -> list[Variant]:
+    """The columns to run: ``modes`` (``lc`` first), or ``lc`` plus ``rapid`` at each sweep value."""
+    out = [Variant("lc", "lc", base.with_(mode="lc", eta=None))]
+    if sweep is not None:
+        for value in sweep.values:
+            changes = {sweep.param: value}
+            if sweep.param == "gamma":
+                changes["max_gamma"] = max(base.max_gamma, int(value))
+            config = base.with_(mode="rapid", **changes)
+            out.append(Variant(f"rapid {sweep.param}={value:g}", "rapid", config, value))
+        return out
+    for mode in modes:
+        if mode == "lc":
+            continue
+        if mode == HF_ASSISTED:
+            out.append(Variant(mode, mode))
+        else:
+            out.append(Variant(mode, mode, base.with_(mode=mode, eta=base.eta if mode == "rapid" else None)))
+    return out
+
+
+# ------------------------------------------------------------------ results
+
+
+@dataclass
+class Measurement:
+    """One timed generation of one variant (engine stats or the hf-assisted equivalents)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens_target: int
+    prompt_tokens_drafter: int
+    retrieval_seconds: float
+    target_prefill_seconds: float
+    drafter_prefill_seconds: float | None
+    decode_seconds: float
+    total_seconds: float
+    new_tokens: int
+    decode_tokens_per_second: float | None
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    accept_seconds: float = 0.0
+    bookkeeping_seconds: float = 0.0
+
+
+@dataclass
+class Result:
+    """One variant at one input: medians over the repeats, and comparisons with ``lc``."""
+
+    label: str
+    mode: str
+    length: int  # requested prompt length (0 for --data records)
+    item_index: int
+    repeats: int
+    prompt_tokens_target: int
+    prompt_tokens_drafter: int
+    new_tokens: int
+    retrieval_seconds: float
+    target_prefill_seconds: float
+    drafter_prefill_seconds: float | None
+    decode_seconds: float
+    total_seconds: float
+    decode_tokens_per_second: float | None
+    rounds: int
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+    eta: float | None = None
+    gamma: int | None = None
+    sweep_value: float | int | None = None
+    decode_speedup: float | None = None
+    end_to_end_speedup: float | None = None
+    equals_lc: bool | None = None
+    # --profile: medians of the decode split, in total and per round
+    profile: dict[str, float] | None = None
+    text: str = ""
+    token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("token_ids")
+        return out
+
+
+@dataclass
+class BenchReport:
+    """Everything ``rapidspec bench`` measured."""
+
+    model: str
+    drafter: str
+    device: str
+    dtype: str
+    repeats: int
+    max_new_tokens: int
+    gamma: int
+    eta: float
+    sweep: Sweep | None
+    results: list[Result]
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "drafter": self.drafter,
+            "device": self.device,
+            "dtype": self.dtype,
+            "repeats": self.repeats,
+            "max_new_tokens": self.max_new_tokens,
+            "gamma": self.gamma,
+            "eta": self.eta,
+            "sweep": asdict(self.sweep) if self.sweep else None,
+            "results": [r.to_dict() for r in self.results],
+        }
+
+
+# ------------------------------------------------------------------ running
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _engine_measurement(engine, item: BenchItem, config: DecodeConfig, profile: bool) -> Measurement:
+    out = engine.generate(item.document, item.question, config=config, profile=profile)
+    s = out.stats
+    return Measurement(
+        token_ids=tuple(out.token_ids),
+        text=out.text,
+        prompt_tokens_target=s.prompt_tokens_target,
+        prompt_tokens_drafter=s.prompt_tokens_drafter,
+        retrieval_seconds=s.retrieval_seconds,
+        target_prefill_seconds=s.target_prefill_seconds,
+        drafter_prefill_seconds=s.drafter_prefill_seconds if config.mode in ("sd", "ragsd", "rapid") else None,
+        decode_seconds=s.decode_seconds,
+        total_seconds=s.total_seconds,
+        new_tokens=s.new_tokens,
+        decode_tokens_per_second=s.decode_tokens_per_second,
+        rounds=s.rounds,
+        drafted_tokens=s.drafted_tokens,
+        accepted_tokens=s.accepted_tokens,
+        acceptance_rate=s.acceptance_rate,
+        mean_accepted_length=s.mean_accepted_length,
+        draft_seconds=s.draft_seconds,
+        verify_seconds=s.verify_seconds,
+        accept_seconds=s.accept_seconds,
+        bookkeeping_seconds=s.bookkeeping_seconds,
+    )
+
+
+def hf_assisted_generate(engine, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """transformers' assisted greedy generation with the engine's drafter; (new token ids without EOS, seconds)."""
+    model = engine.target.model
+    assistant = engine.drafter.model
+    device = model.device
+    ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, n]
+    eos = sorted(engine.eos_token_ids)
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else eos[0]
+    with torch.inference_mode():
+        _sync(device)
+        started = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=assistant,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+        _sync(device)
+        seconds = time.perf_counter() - started
+    new = [int(t) for t in out[0, ids.shape[1] :]]
+    for index, token in enumerate(new):  # the engine does not emit EOS (nor padding after it)
+        if token in engine.eos_token_ids:
+            new = new[:index]
+            break
+    return new, seconds
+
+
+def _hf_measurement(engine, item: BenchItem, config: DecodeConfig) -> Measurement:
+    from rapidspec.prompts import fit_document
+
+    window = engine.target.max_context - config.max_new_tokens
+    document, _ = fit_document(engine.tokenizer, engine.template, item.document, item.question, window, config.truncate)
+    input_ids = prompt_ids(engine.tokenizer, engine.template, document, item.question, retrieved=False)
+    _, prefill = hf_assisted_generate(engine, input_ids, 1)
+    tokens, total = hf_assisted_generate(engine, input_ids, config.max_new_tokens)
+    decode = max(total - prefill, 1e-9)
+    decoded_tokens = max(len(tokens) - 1, 0)
+    return Measurement(
+        token_ids=tuple(tokens),
+        text=engine.tokenizer.decode(tokens, skip_special_tokens=True),
+        prompt_tokens_target=len(input_ids),
+        prompt_tokens_drafter=len(input_ids),
+        retrieval_seconds=0.0,
+        target_prefill_seconds=prefill,
+        drafter_prefill_seconds=None,  # inside decode_seconds (see the module docstring)
+        decode_seconds=decode,
+        total_seconds=total,
+        new_tokens=len(tokens),
+        decode_tokens_per_second=decoded_tokens / decode if decoded_tokens else None,
+    )
+
+
+def measure(engine, item: BenchItem, variant: Variant, base: DecodeConfig, profile: bool = False) -> Measurement:
+    """One timed generation of ``variant`` on ``item``."""
+    if variant.mode == HF_ASSISTED:
+        return _hf_measurement(engine, item, base)
+    return _engine_measurement(engine, item, variant.config, profile)
+
+
+def _summarise(variant: Variant, item_index: int, item: BenchItem, runs: list[Measurement], profile: bool) -> Result:
+    last = runs[-1]
+    config = variant.config
+    split = None
+    if profile and variant.mode in ("sd", "ragsd", "rapid"):
+        rounds = _median([m.rounds for m in runs]) or 1
+        split = {}
+        for name in ("draft", "verify", "accept", "bookkeeping"):
+            total = _median([getattr(m, f"{name}_seconds") for m in runs])
+            split[f"{name}_seconds"] = total
+            split[f"{name}_ms_per_round"] = 1000 * total / rounds
+    return Result(
+        label=variant.label,
+        mode=variant.mode,
+        length=item.length,
+        item_index=item_index,
+        repeats=len(runs),
+        prompt_tokens_target=last.prompt_tokens_target,
+        prompt_tokens_drafter=last.prompt_tokens_drafter,
+        new_tokens=last.new_tokens,
+        retrieval_seconds=_median([m.retrieval_seconds for m in runs]),
+        target_prefill_seconds=_median([m.target_prefill_seconds for m in runs]),
+        drafter_prefill_seconds=_median([m.drafter_prefill_seconds for m in runs]),
+        decode_seconds=_median([m.decode_seconds for m in runs]),
+        total_seconds=_median([m.total_seconds for m in runs]),
+        decode_tokens_per_second=_median([m.decode_tokens_per_second for m in runs]),
+        rounds=last.rounds,
+        acceptance_rate=_median([m.acceptance_rate for m in runs]),
+        mean_accepted_length=_median([m.mean_accepted_length for m in runs]),
+        eta=config.effective_eta if config is not None else None,
+        gamma=config.gamma if config is not None and variant.mode in ("sd", "ragsd", "rapid") else None,
+        sweep_value=variant.sweep_value,
+        profile=split,
+        text=last.text,
+        token_ids=last.token_ids,
+    )
+
+
+def compare_with_lc(results: list[Result]) -> None:
+    """Fill in speedups and greedy equality against the ``lc`` result of the same input."""
+    lc = {r.item_index: r for r in results if r.label == "lc"}
+    for r in results:
+        ref = lc.get(r.item_index)
+        if ref is None:
+            continue
+        if r.decode_tokens_per_second and ref.decode_tokens_per_second:
+            r.decode_speedup = r.decode_tokens_per_second / ref.decode_tokens_per_second
+        if r.total_seconds:
+            r.end_to_end_speedup = ref.total_seconds / r.total_seconds
+        r.equals_lc = tuple(r.token_ids) == tuple(ref.token_ids)
+
+
+def run_benchmark(
+    engine,
+    items: Sequence[BenchItem],
+    modes: Sequence[str] = DEFAULT_MODES,
+    base: DecodeConfig | None = None,
+    repeats: int = 3,
+    sweep: Sweep | None = None,
+    profile: bool = False,
+    warmup: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Run every variant on every item ``repeats`` times; medians and ratios against ``lc``.
+
+    ``engine`` is a :class:`rapidspec.engine.Rapid` built with
+    ``reuse_document_cache=False``. ``base`` carries the shared decode settings
+    (gamma, eta, max_new_tokens, temperature...). ``progress(message)`` is
+    called before each generation (warm-ups included).
+    """
+    if engine.reuse_document_cache:
+        raise RapidspecError("benchmark engines must be built with reuse_document_cache=False")
+    if repeats < 1:
+        raise RapidspecError(f"repeats must be >= 1, got {repeats}")
+    if not items:
+        raise RapidspecError("nothing to benchmark: no inputs")
+    base = base or DecodeConfig(max_new_tokens=64)
+    columns = variants(modes, base, sweep)
+    note = progress or (lambda message: None)
+
+    if warmup:
+        short = BenchItem(items[0].document[:WARMUP_CHARS], items[0].question)
+        warm_base = base.with_(max_new_tokens=min(4, base.max_new_tokens))
+        for variant in columns:
+            note(f"warm-up {variant.label}")
+            config = variant.config.with_(max_new_tokens=warm_base.max_new_tokens) if variant.config else None
+            measure(engine, short, Variant(variant.label, variant.mode, config), warm_base)
+
+    results: list[Result] = []
+    for index, item in enumerate(items):
+        runs: dict[str, list[Measurement]] = {v.label: [] for v in columns}
+        for repeat in range(repeats):
+            for variant in columns:
+                where = f"length {item.length}" if item.length else f"record {index + 1}"
+                note(f"{where}, repeat {repeat + 1}/{repeats}: {variant.label}")
+                runs[variant.label].append(measure(engine, item, variant, base, profile))
+        results.extend(_summarise(v, index, item, runs[v.label], profile) for v in columns)
+    compare_with_lc(results)
+    return BenchReport(
+        model=engine.target.name,
+        drafter="self" if engine.drafter is engine.target else engine.drafter.name,
+        device=str(engine.target.model.device),
+        dtype=str(engine.target.model.dtype).removeprefix("torch."),
+        repeats=repeats,
+        max_new_tokens=base.max_new_tokens,
+        gamma=base.gamma,
+        eta=base.with_(mode="rapid").effective_eta,
+        sweep=sweep,
+        results=results,
+    )
+
+
+def count_generations(n_items: int, n_variants: int, repeats: int) -> int:
+    """How many ``progress`` calls a run makes (for a progress bar)."""
+    return n_variants + n_items * n_variants * repeats
