@@ -156,3 +156,20 @@ def test_vocabulary_mismatch_is_a_clear_error(tiny_model):
     other_tokenizer.add_tokens(["<extra>"])
     with pytest.raises(RapidspecError, match="vocabulary"):
         Rapid(tiny_model, make_tiny_model(2, other_tokenizer))
+
+
+def test_heuristic_gamma_schedule_grows_on_full_acceptance(tiny_model, lc_output):
+    out = engine(tiny_model).generate(
+        DOCUMENT, QUESTION, mode="sd", gamma=2, gamma_schedule="heuristic", max_gamma=8, max_new_tokens=40
+    )
+    assert out.token_ids == lc_output.token_ids
+    # all accepted (same weights, same context): gamma 2 -> 4 -> 6 -> 8
+    assert len(out.stats.drafted_per_position) == 8
+
+
+def test_rag_mode_reads_only_the_retrieved_text(tiny_model, lc_output):
+    out = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="rag", max_new_tokens=10)
+    assert out.stats.prompt_tokens_target < lc_output.stats.prompt_tokens_target / 2
+    assert out.stats.prompt_tokens_drafter == 0 and out.stats.rounds == 0
+    assert out.retrieval is not None
+    assert all(DOCUMENT[c.char_start : c.char_end] == c.text for c in out.retrieval.chunks)

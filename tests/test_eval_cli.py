@@ -1,0 +1,99 @@
+"""`rapidspec eval` end to end on a tiny model (fast), its error paths, and one run on the built-in model (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import rapidspec.cli.eval as eval_cli
+from rapidspec.cli import main
+from tests.test_eval_datasets import write_leval, write_longbench2
+
+SMALL_RETRIEVAL = ["--retrieval", "bm25", "--chunk-tokens", "64", "--budget-tokens", "128"]
+
+
+@pytest.fixture()
+def tiny_cli(monkeypatch, tiny_model):
+    monkeypatch.setattr(eval_cli, "load_models", lambda args: (tiny_model, None))
+
+
+def last_json(capsys):
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1]), out
+
+
+def test_eval_end_to_end_and_resume(tiny_cli, tmp_path, capsys):
+    data = write_longbench2(tmp_path / "lb.json", n=3)
+    results = tmp_path / "out" / "results.jsonl"
+    argv = ["eval", "--data", str(data), "--limit", "2", "--max-new-tokens", "4", "--results", str(results),
+            *SMALL_RETRIEVAL]
+    assert main(argv) == 0
+    summary, out = last_json(capsys)
+    assert summary["items"] == 2 and summary["new_records"] == 6 and summary["modes"] == ["lc", "rag", "rapid"]
+    assert any("mean [95% CI]" in line for line in out)  # the rich table precedes the JSON line
+    rows = {row["mode"]: row for row in summary["summary"]}
+    assert rows["rapid"]["n"] == 2 and rows["rapid"]["metric"] == "accuracy" and rows["rapid"]["eta"] == 2.0
+    assert len(results.read_text().splitlines()) == 6
+    assert main([*argv, "--json-only"]) == 0
+    again, out = last_json(capsys)
+    assert again["new_records"] == 0 and again["resumed_records"] == 6 and len(out) == 1
+    # Another token limit on the same file is refused; --overwrite starts afresh.
+    assert main([*argv[:-8], "--max-new-tokens", "3", "--results", str(results), "--modes", "lc", *SMALL_RETRIEVAL]) == 2
+    assert "another configuration" in capsys.readouterr().err
+    assert main([*argv[:-8], "--max-new-tokens", "3", "--results", str(results), "--modes", "lc", "--overwrite",
+                 *SMALL_RETRIEVAL]) == 0
+    assert len(results.read_text().splitlines()) == 2
+
+
+def test_eval_synthetic_and_leval(tiny_cli, tmp_path, capsys):
+    assert main(["eval", "--format", "synthetic", "--lengths", "1024", "--per-task", "1", "--modes", "lc,rapid",
+                 "--max-new-tokens", "4", *SMALL_RETRIEVAL]) == 0
+    summary, _ = last_json(capsys)
+    assert summary["items"] == 3 and {r["metric"] for r in summary["summary"]} == {"recall"}
+    data = write_leval(tmp_path / "quality.jsonl")
+    assert main(["eval", "--data", str(data), "--modes", "lc", "--max-new-tokens", "4", *SMALL_RETRIEVAL]) == 0
+    summary, _ = last_json(capsys)
+    assert summary["summary"][0]["group"] == "leval/quality" and summary["summary"][0]["n"] == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data", "{missing}"], "no such data file"),
+        (["--data", "{leval}", "--format", "longbench2"], "lacks"),
+        (["--data", "{leval}", "--modes", "lc,fast"], "unknown mode"),
+        (["--data", "{leval}", "--limit", "0"], "--limit"),
+        (["--data", "{leval}", "--gamma", "0"], "gamma"),
+        (["--format", "synthetic", "--tasks", "niah_nothing"], "synthetic task"),
+        (["--format", "synthetic", "--lengths", "99999"], "window"),
+        (["--format", "leval"], "--data is required"),
+    ],
+)
+def test_eval_user_mistakes_exit_2_with_one_line(tiny_cli, tmp_path, capsys, argv, message):
+    leval = write_leval(tmp_path / "quality.jsonl")
+    argv = [a.format(missing=tmp_path / "missing.json", leval=leval) for a in argv]
+    assert main(["eval", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("rapidspec eval: error:") and message in err
+
+
+def test_eval_bad_format_name_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--data", str(tmp_path / "x.json"), "--format", "squad"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_builtin_model_end_to_end(tmp_path, capsys):
+    data = write_longbench2(tmp_path / "lb.json", n=3)
+    results = tmp_path / "results.jsonl"
+    assert main(["eval", "--data", str(data), "--limit", "2", "--max-new-tokens", "8", "--results", str(results),
+                 "--retrieval", "bm25"]) == 0
+    summary, _ = last_json(capsys)
+    assert summary["model"] == "builtin" and summary["new_records"] == 6
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert all(r["stats"]["new_tokens"] >= 1 for r in records)
+    rapid = [r for r in records if r["mode"] == "rapid"]
+    assert all(r["stats"]["rounds"] >= 1 for r in rapid)
