@@ -115,7 +115,7 @@ def test_locomo_loader_skips_adversarial_and_renders_sessions(tmp_path):
     assert items[1].question.endswith("approximate date.") and items[1].query == "When did Bob go sailing?"
     document = items[0].document
     assert "DATE: 1:00 pm on 8 May, 2023\nCONVERSATION:\nAnn: I adopted a cat named Biscuit.\nBob: Lovely!" in document
-    assert document.index("session") if False else document.index("DATE: 2:00 pm") > document.index("Lovely!")
+    assert document.index("DATE: 2:00 pm") > document.index("Lovely!")  # sessions in order
     with_adversarial = load_items(path, include_adversarial=True)
     assert len(with_adversarial) == 4 and with_adversarial[2].answers == ("Rex",)
     assert locomo_document({"speaker_a": "A", "speaker_b": "B"}).startswith("Below is a conversation")

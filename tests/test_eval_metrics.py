@@ -39,7 +39,6 @@ def test_token_f1_hand_computed():
 
 
 def test_rouge_l_hand_computed():
-    # LCS of [police, killed, gunman] and [police, kill, gunman] ... use exact tokens:
     # pred [a b c d e], ref [a x c e]: LCS = [a c e] = 3; P = 3/5, R = 3/4, F = 2PR/(P+R) = 2/3
     assert rouge_l("a1 b2 c3 d4 e5", "a1 x9 c3 e5") == pytest.approx(2 * 0.6 * 0.75 / 1.35)
     assert rouge_l("same words here", "same words here") == 1.0
@@ -62,16 +61,12 @@ def test_needle_recall():
         ("C. The hotel", "C"),
         ("Answer: D", "D"),
         ("b", "B"),
-        ("A hotel is a place", None),  # the article "A" followed by a word is not an answer
+        ("A hotel is a place", "A"),  # ambiguous, read as a bare leading letter (as LongBench v2 accepts one)
         ("I do not know", None),
         ("The correct answer is (E)", None),  # only four options
     ],
 )
 def test_extract_choice(text, expected):
-    if expected is None and text.startswith("A hotel"):
-        # "A " then a lower-case word reads as a letter followed by text; LongBench v2 also takes a leading letter.
-        assert extract_choice(text) in (None, "A")
-        return
     assert extract_choice(text) == expected
 
 

@@ -133,13 +133,15 @@ def _fmt(value, spec: str) -> str:
 
 def summary_table(rows, title: str | None = None) -> Table:
     table = Table(title=title)
-    for name in ("task", "mode", "η", "γ", "n", "metric", "mean [95% CI]", "EM", "decode tok/s", "accept", "mean acc. len", "prefill s"):
+    for name in ("task", "mode", "η", "γ", "n", "metric", "mean [95% CI]", "EM", "no answer", "decode tok/s", "accept",
+                 "mean acc. len", "prefill s"):
         table.add_column(name, justify="left" if name in ("task", "mode", "metric") else "right")
     for row in rows:
         table.add_row(
             row.group, row.mode, f"{row.eta:g}", _fmt(row.gamma, "d"), str(row.n), row.metric,
             f"{row.mean:.3f} [{row.ci_low:.3f}, {row.ci_high:.3f}]",
             _fmt(row.extra.get("em"), ".3f"),
+            _fmt(row.extra.get("unanswered"), "d"),
             _fmt(row.speed.get("decode_tokens_per_second"), ".2f"),
             _fmt(row.speed.get("acceptance_rate"), ".1%"),
             _fmt(row.speed.get("mean_accepted_length"), ".2f"),
