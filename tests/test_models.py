@@ -144,7 +144,7 @@ def test_cache_root_precedence(monkeypatch, tmp_path):
 
 def test_unknown_builtin_lists_known_names():
     with pytest.raises(RapidspecError, match="builtin:smollm2-135m") as info:
-        load_model("builtin:qwen2.5-coder-0.5b")
+        load_model("builtin:no-such-model")
     assert "\n" not in str(info.value)
 
 
