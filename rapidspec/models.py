@@ -3,7 +3,7 @@
 Contract:
 
 * :func:`load_model` returns a frozen :class:`LoadedModel` holding a
-  transformers causal LM in eval mode (``attn_implementation="sdpa"``), its
+  transformers causal LM in eval mode (native-GQA attention by default), its
   tokenizer, the device, the dtype and the context window. Wrapping the calls
   in ``torch.inference_mode()`` is the caller's job.
 * Nothing is ever downloaded: Hugging Face ids load with
@@ -398,12 +398,12 @@ def _remove_stale_temporaries(target: Path, max_age_s: float = 3600.0) -> None:
 
 
 def _load_pretrained(
-    source: str, dtype: torch.dtype, device: torch.device, device_map: Any
+    source: str, dtype: torch.dtype, device: torch.device, device_map: Any, attention: str = "sdpa"
 ) -> tuple[Any, Any]:
     """``from_pretrained`` a model and tokenizer offline; errors become one line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa", "local_files_only": True}
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attention, "local_files_only": True}
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:
@@ -444,6 +444,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     device_map: Any = None,
+    attention: str = "native-gqa",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, offline.
 
@@ -452,8 +453,16 @@ def load_model(
     are resolved by :func:`resolve_dtype` and :func:`resolve_device`;
     ``device_map`` (e.g. ``"auto"`` to split over several GPUs) is passed to
     ``from_pretrained`` instead of moving the model to ``device``.
+    ``attention``: ``"native-gqa"`` (default) uses :mod:`rapidspec.attention`
+    (grouped-query attention without repeating key/value heads, same
+    results as ``sdpa``); ``"sdpa"`` or any other transformers
+    ``attn_implementation`` name is passed through.
     Raises :class:`RapidspecError` for anything the user can fix.
     """
+    if attention == "native-gqa":
+        from rapidspec.attention import register
+
+        attention = register()
     source, gguf = _resolve_source(name)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -464,9 +473,9 @@ def load_model(
             _convert_gguf(gguf, cached)
         else:
             logger.info("using cached conversion of %s: %s", gguf.name, cached)
-        model, tokenizer = _load_pretrained(str(cached), torch_dtype, torch_device, device_map)
+        model, tokenizer = _load_pretrained(str(cached), torch_dtype, torch_device, device_map, attention)
     else:
-        model, tokenizer = _load_pretrained(source, torch_dtype, torch_device, device_map)
+        model, tokenizer = _load_pretrained(source, torch_dtype, torch_device, device_map, attention)
 
     param = next(model.parameters())
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

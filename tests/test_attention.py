@@ -24,3 +24,21 @@ def test_gqa_attention_matches_sdpa(byte_tokenizer):
             step = cache.forward(ids[287:288], num_logits=1)
             torch.testing.assert_close(verify, full[280:287].float(), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(step, full[287:288].float(), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_single_token_step_attends_in_float32(byte_tokenizer):
+    """The one-token CPU bf16 path upcasts; it stays within bf16 rounding of sdpa."""
+    reference = make_tiny_model(6, byte_tokenizer).model.to(torch.bfloat16)
+    native = make_tiny_model(6, byte_tokenizer).model.to(torch.bfloat16)
+    native.set_attn_implementation(register())
+    ids = list(range(40, 240))
+    with torch.inference_mode():
+        steps = []
+        for model in (reference, native):
+            cache = KVCache(model)
+            cache.prefill(ids[:-1])
+            steps.append(cache.forward(ids[-1:], num_logits=1))
+        fp32 = make_tiny_model(6, byte_tokenizer).model(torch.tensor([ids])).logits[0, -1:].float()
+    torch.testing.assert_close(steps[1], steps[0], atol=5e-2, rtol=5e-2)
+    # upcasting the attention can only bring the step closer to the float32 model
+    assert (steps[1] - fp32).abs().max() <= (steps[0] - fp32).abs().max() + 1e-2

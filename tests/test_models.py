@@ -195,7 +195,8 @@ def test_local_dir_round_trip(tiny_dir):
     assert loaded.device == torch.device("cpu") and loaded.dtype == torch.float32
     assert loaded.max_context == 512
     assert not loaded.model.training
-    assert loaded.model.config._attn_implementation == "sdpa"
+    assert loaded.model.config._attn_implementation == "rapidspec_sdpa_gqa"
+    assert load_model(str(tiny_dir), dtype="float32", attention="sdpa").model.config._attn_implementation == "sdpa"
     assert torch.equal(logits(loaded.model), logits(tiny_model()))
     assert loaded.tokenizer("w5 w17").input_ids == [5, 17]
     with pytest.raises(dataclasses.FrozenInstanceError):
