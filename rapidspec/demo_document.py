@@ -64,7 +64,7 @@ PROMPT_TEMPLATE = (
 
 _UNDERLINE = re.compile(r"^([*=\-~^\"'`#+])\1{2,}$")
 _FOOTNOTE_REF = re.compile(r" ?\[\d+\]")
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(*])")
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(*])")
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _topic_paragraphs(text: str) -> list[str]:
     return kept
 
 
-def _source_paragraphs() -> list[str]:
+def source_paragraphs() -> list[str]:
     try:
         from pydoc_data.topics import topics
     except ImportError as exc:  # some minimal Python builds strip it
@@ -136,7 +136,7 @@ def _source_paragraphs() -> list[str]:
     return paragraphs
 
 
-def _counter(tokenizer: Any | None) -> Callable[[str], int]:
+def token_counter(tokenizer: Any | None) -> Callable[[str], int]:
     if tokenizer is None:
         return lambda text: max(1, round(len(text) / CHARS_PER_TOKEN))
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
@@ -153,14 +153,14 @@ def demo_document(target_tokens: int = DEFAULT_TARGET_TOKENS, tokenizer: Any | N
     """
     if target_tokens < 256:
         raise RapidspecError(f"target_tokens must be at least 256, got {target_tokens}")
-    count = _counter(tokenizer)
+    count = token_counter(tokenizer)
     separator = 1 if tokenizer is None else count("a\n\nb") - count("a") - count("b")
     budget = target_tokens - count(NEEDLE) - separator
 
     chosen: list[str] = []
     lengths: list[int] = []
     total = 0
-    for paragraph in _source_paragraphs():
+    for paragraph in source_paragraphs():
         n = count(paragraph) + separator
         if total + n <= budget:
             chosen.append(paragraph)
@@ -168,7 +168,7 @@ def demo_document(target_tokens: int = DEFAULT_TARGET_TOKENS, tokenizer: Any | N
             total += n
             continue
         # Fill the rest of the budget with whole sentences of this paragraph.
-        sentences = _SENTENCE_END.split(paragraph)
+        sentences = SENTENCE_END.split(paragraph)
         partial: list[str] = []
         for sentence in sentences:
             candidate = " ".join([*partial, sentence])

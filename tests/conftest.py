@@ -79,3 +79,17 @@ def tiny_model(byte_tokenizer):
 @pytest.fixture(scope="session")
 def other_tiny_model(byte_tokenizer):
     return make_tiny_model(1, byte_tokenizer)
+
+
+def train_bpe_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``texts`` in milliseconds (emoji/CJK = several tokens)."""
+    from tokenizers import trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend)

@@ -16,7 +16,7 @@ from rapidspec.demo_document import (
     NEEDLE,
     QUESTION,
     DemoItem,
-    _source_paragraphs,
+    source_paragraphs,
     demo_document,
     demo_prompt,
 )
@@ -58,12 +58,12 @@ def test_deterministic():
 
 
 def test_needle_is_not_in_the_source_text():
-    source = "\n\n".join(_source_paragraphs())
+    source = "\n\n".join(source_paragraphs())
     assert "Lisbon" not in source and "Archivist" not in source and "4:30" not in source
 
 
 def test_source_is_prose():
-    paragraphs = _source_paragraphs()
+    paragraphs = source_paragraphs()
     assert all("\n" not in p for p in paragraphs)
     assert not any(p.startswith((" ", ">>>")) for p in paragraphs)
     assert not any("-[ Footnotes ]-" in p for p in paragraphs)

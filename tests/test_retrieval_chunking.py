@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import train_bpe_tokenizer
 from rapidspec.retrieval.chunking import Chunker, split_sections
 
 CORPUS = [
@@ -18,17 +19,7 @@ CORPUS = [
 
 def tiny_tokenizer():
     """A byte-level BPE tokenizer trained here in milliseconds (emoji/CJK = several tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(CORPUS * 5, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
+    return train_bpe_tokenizer(CORPUS * 5, 400)
 
 
 @pytest.fixture(scope="module")

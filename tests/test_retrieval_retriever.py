@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rapidspec.errors import RapidspecError
+from tests.conftest import train_bpe_tokenizer
 from rapidspec.retrieval import RetrievalConfig, Retriever, build_query
 
 WORDS = (
@@ -22,17 +23,7 @@ NEEDLE = "The secret password for the vault is swordfish-42."
 
 def tiny_tokenizer():
     """A byte-level BPE tokenizer trained here in milliseconds."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator([" ".join(WORDS)] * 20 + [NEEDLE], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
+    return train_bpe_tokenizer([" ".join(WORDS)] * 20 + [NEEDLE], 500)
 
 
 def haystack(paragraphs: int = 200, seed: int = 0, needle_at: int | None = None) -> str:

@@ -25,7 +25,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from rapidspec.demo_document import _SENTENCE_END, _counter, _source_paragraphs
+from rapidspec.demo_document import SENTENCE_END, token_counter, source_paragraphs
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import EvalItem
 from rapidspec.prompts import PromptTemplate
@@ -70,8 +70,8 @@ def _values(rng: random.Random, n: int) -> list[str]:
 
 def haystack(tokens: int, rng: random.Random, tokenizer: Any | None = None) -> list[str]:
     """Paragraphs of real prose totalling about ``tokens`` tokens (separators included)."""
-    source = _source_paragraphs()
-    count = _counter(tokenizer)
+    source = source_paragraphs()
+    count = token_counter(tokenizer)
     separator = 1 if tokenizer is None else max(0, count("a\n\nb") - count("a") - count("b"))
     start = rng.randrange(len(source))
     chosen: list[str] = []
@@ -84,7 +84,7 @@ def haystack(tokens: int, rng: random.Random, tokenizer: Any | None = None) -> l
             total += n
             continue
         partial: list[str] = []
-        for sentence in _SENTENCE_END.split(paragraph):
+        for sentence in SENTENCE_END.split(paragraph):
             if total + count(" ".join([*partial, sentence])) + separator > tokens:
                 break
             partial.append(sentence)
@@ -103,7 +103,7 @@ def needle_item(
     if length - reserve_tokens < 200:
         raise RapidspecError(f"synthetic length {length} is too short (minimum {reserve_tokens + 200})")
     rng = random.Random(f"{seed}/{task}/{length}/{index}")
-    count = _counter(tokenizer)
+    count = token_counter(tokenizer)
     if task == "niah_single":
         keys, values = _keys(rng, 1), _values(rng, 1)
         asked, answers = keys[0], (values[0],)
