@@ -1,0 +1,173 @@
+"""What ``rapidspec bench`` runs: modes, lengths, sweeps and the input documents.
+
+Parsing and validation of the benchmark's inputs (user mistakes raise
+:class:`RapidspecError`), kept apart from the timing harness in
+:mod:`rapidspec.evaluation.speed`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rapidspec.config import MODES, DecodeConfig
+from rapidspec.errors import RapidspecError
+from rapidspec.prompts import PromptTemplate, prompt_ids
+
+HF_ASSISTED = "hf-assisted"
+BENCH_MODES: tuple[str, ...] = (*MODES, HF_ASSISTED)
+DEFAULT_MODES: tuple[str, ...] = ("lc", "sd", "ragsd", "rapid", HF_ASSISTED)
+MIN_LENGTH = 256
+SWEEP_PARAMS = {"eta": float, "gamma": int}
+# Characters of the first document used for the warm-up generations.
+WARMUP_CHARS = 1500
+
+@dataclass(frozen=True)
+class BenchItem:
+    """One input: a document and a question; ``length`` is the requested prompt length (0 = as given)."""
+
+    document: str
+    question: str
+    length: int = 0
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """``--sweep eta=0,1,2``: run ``rapid`` once per value of ``param``."""
+
+    param: str
+    values: tuple[float | int, ...]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of the benchmark: a mode and, for the engine's modes, its config."""
+
+    label: str
+    mode: str
+    config: DecodeConfig | None = None  # None for hf-assisted
+    sweep_value: float | int | None = None
+
+
+def parse_modes(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"lc,sd,rapid"`` -> ("lc", "sd", "rapid"); ``lc`` is put first (speedups need it)."""
+    names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
+    if not names:
+        raise RapidspecError("no modes given")
+    for name in names:
+        if name not in BENCH_MODES:
+            raise RapidspecError(f"unknown mode {name!r}; choose from {', '.join(BENCH_MODES)}")
+    ordered = ["lc"] + [m for m in dict.fromkeys(names) if m != "lc"]
+    return tuple(ordered)
+
+
+def parse_lengths(text: str | Sequence[int], max_context: int) -> tuple[int, ...]:
+    """``"1024,2048"`` -> (1024, 2048), each in [MIN_LENGTH, max_context]."""
+    try:
+        values = [int(v) for v in (text.split(",") if isinstance(text, str) else text) if str(v).strip()]
+    except ValueError:
+        raise RapidspecError(f"lengths must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise RapidspecError("no lengths given")
+    for value in values:
+        if value < MIN_LENGTH:
+            raise RapidspecError(f"length {value} is below the minimum of {MIN_LENGTH} tokens")
+        if value > max_context:
+            raise RapidspecError(f"length {value} is above the model's window of {max_context} tokens")
+    return tuple(dict.fromkeys(values))
+
+
+def parse_sweep(text: str) -> Sweep:
+    """``"eta=0,1,2"`` -> Sweep("eta", (0.0, 1.0, 2.0)); ``gamma`` values are integers >= 1."""
+    name, sep, values = text.partition("=")
+    name = name.strip()
+    if not sep or name not in SWEEP_PARAMS:
+        raise RapidspecError(f"sweep must look like eta=0,1,2 or gamma=2,4,6; got {text!r}")
+    kind = SWEEP_PARAMS[name]
+    try:
+        parsed = tuple(kind(v) for v in values.split(",") if v.strip())
+    except ValueError:
+        raise RapidspecError(f"sweep values of {name} must be {kind.__name__}s, got {values!r}") from None
+    if not parsed:
+        raise RapidspecError(f"sweep {name} has no values")
+    if name == "eta" and any(not math.isfinite(v) or v < 0 for v in parsed):
+        raise RapidspecError(f"eta values must be finite and >= 0, got {values!r}")
+    if name == "gamma" and any(v < 1 for v in parsed):
+        raise RapidspecError(f"gamma values must be >= 1, got {values!r}")
+    return Sweep(name, parsed)
+
+
+def load_items(path: str | Path) -> list[BenchItem]:
+    """Records ``{"document": ..., "question": ...}`` from a JSON list or a JSONL file."""
+    path = Path(path)
+    if not path.is_file():
+        raise RapidspecError(f"data file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    try:
+        stripped = text.lstrip()
+        if stripped.startswith("["):
+            records = json.loads(text)
+        else:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as err:
+        raise RapidspecError(f"{path}: not JSON or JSONL ({err})") from None
+    items = []
+    for number, record in enumerate(records, 1):
+        if not isinstance(record, dict) or not record.get("document") or not record.get("question"):
+            raise RapidspecError(f"{path}: record {number} needs non-empty 'document' and 'question'")
+        items.append(BenchItem(str(record["document"]), str(record["question"])))
+    if not items:
+        raise RapidspecError(f"{path}: no records")
+    return items
+
+
+def demo_items(tokenizer, lengths: Sequence[int], max_context: int, max_new_tokens: int) -> list[BenchItem]:
+    """The demo document family at each length, sized so the target prompt is about ``length`` tokens.
+
+    The prompt must leave room for the answer, so a length near the window is
+    capped at ``max_context - max_new_tokens`` (the table shows real counts).
+    """
+    from rapidspec.demo_document import demo_document
+
+    probe = demo_document(target_tokens=256, tokenizer=tokenizer)
+    overhead = len(prompt_ids(tokenizer, PromptTemplate(), "", probe.question, retrieved=False))
+    items = []
+    for length in lengths:
+        # 16 tokens of slack: fit_document keeps a margin of 8 and token counts shift at seams.
+        prompt_budget = min(length, max_context - max_new_tokens - 16)
+        document_tokens = prompt_budget - overhead
+        if document_tokens < 200:
+            raise RapidspecError(
+                f"length {length} leaves {document_tokens} document tokens after the prompt and "
+                f"{max_new_tokens} new tokens; use a longer length or fewer --max-new-tokens"
+            )
+        item = demo_document(target_tokens=document_tokens, tokenizer=tokenizer)
+        items.append(BenchItem(item.document, item.question, length))
+    return items
+
+
+def variants(modes: Sequence[str], base: DecodeConfig, sweep: Sweep | None = None) -> list[Variant]:
+    """The columns to run: ``modes`` (``lc`` first), or ``lc`` plus ``rapid`` at each sweep value."""
+    out = [Variant("lc", "lc", base.with_(mode="lc", eta=None))]
+    if sweep is not None:
+        for value in sweep.values:
+            changes = {sweep.param: value}
+            if sweep.param == "gamma":
+                changes["max_gamma"] = max(base.max_gamma, int(value))
+            config = base.with_(mode="rapid", **changes)
+            out.append(Variant(f"rapid {sweep.param}={value:g}", "rapid", config, value))
+        return out
+    for mode in modes:
+        if mode == "lc":
+            continue
+        if mode == HF_ASSISTED:
+            out.append(Variant(mode, mode))
+        else:
+            out.append(Variant(mode, mode, base.with_(mode=mode, eta=base.eta if mode == "rapid" else None)))
+    return out
+
+
+# ------------------------------------------------------------------ results
