@@ -29,7 +29,6 @@ Model names understood by :func:`load_model`:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import logging
@@ -43,7 +42,9 @@ from typing import Any
 
 import torch
 
+from rapidspec.devices import resolve_device, resolve_dtype
 from rapidspec.errors import RapidspecError
+from rapidspec.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +64,6 @@ __all__ = [
 
 # Bumped when the layout of a cached conversion changes, invalidating old ones.
 _CACHE_FORMAT = 1
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 
 @dataclass(frozen=True)
 class PartWheels:
@@ -183,80 +177,6 @@ class LoadedModel:
     dtype: torch.dtype
     max_context: int
     source: str
-
-
-# --------------------------------------------------------------------------
-# dtype and device
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    """CPU feature flags from /proc/cpuinfo (empty where unavailable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-def cpu_supports_bf16() -> bool:
-    """True when the CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX)."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """Turn ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` into a device.
-
-    ``auto`` is CUDA when available, else CPU. Asking for a CUDA device that
-    does not exist raises :class:`RapidspecError`.
-    """
-    if isinstance(device, torch.device):
-        device = str(device)
-    name = str(device).strip().lower()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda" or name.startswith("cuda:"):
-        index_text = name.partition(":")[2]
-        if index_text and not index_text.isdigit():
-            raise RapidspecError(f"invalid device {device!r}: use cpu, cuda, cuda:N or auto")
-        if not torch.cuda.is_available():
-            raise RapidspecError(f"device {device!r} requested but CUDA is not available")
-        index = int(index_text) if index_text else 0
-        if index >= torch.cuda.device_count():
-            raise RapidspecError(
-                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
-            )
-        return torch.device(name)
-    raise RapidspecError(f"invalid device {device!r}: use cpu, cuda, cuda:N or auto")
-
-
-def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
-    """Turn ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` into a dtype.
-
-    ``auto`` is bfloat16 where the hardware computes in it natively (CPUs with
-    AVX512-BF16/AMX, CUDA devices with bf16 support) and float32 elsewhere.
-    """
-    if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPES.values():
-            return dtype
-        raise RapidspecError(f"invalid dtype {dtype}: use one of auto, {', '.join(_DTYPES)}")
-    name = str(dtype).strip().lower()
-    if name in _DTYPES:
-        return _DTYPES[name]
-    if name != "auto":
-        raise RapidspecError(f"invalid dtype {dtype!r}: use one of auto, {', '.join(_DTYPES)}")
-    device = device if device is not None else resolve_device("auto")
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if device.type == "cpu" and cpu_supports_bf16():
-        return torch.bfloat16
-    return torch.float32
 
 
 # --------------------------------------------------------------------------
@@ -495,38 +415,3 @@ def load_model(
         max_context=max_context,
         source=source,
     )
-
-
-# --------------------------------------------------------------------------
-# vocabulary compatibility
-
-
-def vocab_compatible(target_tokenizer: Any, drafter_tokenizer: Any) -> bool:
-    """True when both tokenizers map every token string to the same id.
-
-    Only ``get_vocab()`` is compared, so models whose embedding matrices are
-    padded to different sizes but share a tokenizer are compatible. Accepts
-    tokenizers or :class:`LoadedModel` instances.
-    """
-    return _vocab(target_tokenizer) == _vocab(drafter_tokenizer)
-
-
-def check_same_vocabulary(target_tokenizer: Any, drafter_tokenizer: Any) -> None:
-    """Raise :class:`RapidspecError` unless the two vocabularies are identical."""
-    target_vocab, drafter_vocab = _vocab(target_tokenizer), _vocab(drafter_tokenizer)
-    if target_vocab == drafter_vocab:
-        return
-    only_target = len(target_vocab.keys() - drafter_vocab.keys())
-    only_drafter = len(drafter_vocab.keys() - target_vocab.keys())
-    moved = sum(1 for k in target_vocab.keys() & drafter_vocab.keys() if target_vocab[k] != drafter_vocab[k])
-    raise RapidspecError(
-        "the drafter's vocabulary differs from the target's "
-        f"(target {len(target_vocab)} tokens, drafter {len(drafter_vocab)}; "
-        f"{only_target} only in target, {only_drafter} only in drafter, {moved} with different ids): "
-        "use a drafter with the same tokenizer"
-    )
-
-
-def _vocab(tokenizer_or_model: Any) -> dict[str, int]:
-    tokenizer = tokenizer_or_model.tokenizer if isinstance(tokenizer_or_model, LoadedModel) else tokenizer_or_model
-    return dict(tokenizer.get_vocab())

@@ -24,7 +24,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rapidspec import models
+from rapidspec import devices, models
 from rapidspec.errors import RapidspecError
 from rapidspec.models import (
     LoadedModel,
@@ -107,9 +107,9 @@ def test_resolve_dtype_names():
 
 def test_resolve_dtype_auto_follows_cpu_bf16_support(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(models, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(devices, "cpu_supports_bf16", lambda: True)
     assert resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(models, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(devices, "cpu_supports_bf16", lambda: False)
     assert resolve_dtype("auto", cpu) == torch.float32
 
 
