@@ -344,7 +344,7 @@ def test_builtin_loads_with_auto_dtype_and_answers():
 
     target = load_model("builtin")
     assert target.name == "builtin" and target.max_context == 8192
-    assert target.dtype == (torch.bfloat16 if models.cpu_supports_bf16() else torch.float32)
+    assert target.dtype == (torch.bfloat16 if devices.cpu_supports_bf16() else torch.float32)
     item = demo_document()
     p = item.needle_position
     start = item.document.rfind("\n\n", 0, p - 1200) + 2
