@@ -239,7 +239,7 @@ class Rapid:
         while True:
             remaining = config.max_new_tokens - (len(target_seq) - prompt_length)
             if drafter_cache is None:
-                emitted = self._plain_step(config, stats, generator, target_cache, target_seq, profile)
+                emitted = self._plain_step(config, generator, target_cache, target_seq)
             else:
                 emitted, gamma = self._speculative_step(
                     config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq,
@@ -289,7 +289,7 @@ class Rapid:
         probs = (sampling.filter_logits(logits, config.top_k, config.top_p) / config.temperature).softmax(-1)
         return sampling.sample(probs, generator)
 
-    def _plain_step(self, config, stats, generator, cache, seq, profile) -> list[int]:
+    def _plain_step(self, config, generator, cache, seq) -> list[int]:
         """One step of plain autoregressive decoding (modes lc, rag)."""
         logits = self._logits(cache.forward(seq[cache.length :], num_logits=1))  # [1, V]
         return [int(self._choose(logits, config, generator)[0])]
