@@ -14,7 +14,7 @@ from dataclasses import fields
 from rich.console import Console
 from rich.table import Table
 
-from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, retrieval_config
+from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_models, retrieval_config
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import FORMATS, load_items
@@ -52,17 +52,6 @@ def register(subparsers) -> None:
     add_retrieval_options(parser)
     # 256-token chunks: the default 512 exceeds the default budget (doc/16, at least 256) below ~8K tokens.
     parser.set_defaults(handler=run, max_new_tokens=None, seed=0, chunk_tokens=256)
-
-
-def load_models(args: argparse.Namespace):
-    """(target, drafter or None) named by the options; tests replace this."""
-    from rapidspec.models import load_model
-
-    target = load_model(args.target, dtype=args.dtype, device=args.device)
-    drafter = None
-    if args.drafter is not None:
-        drafter = load_model(args.drafter, dtype=args.dtype, device=args.drafter_device or args.device)
-    return target, drafter
 
 
 def _int_list(text: str, name: str) -> list[int]:

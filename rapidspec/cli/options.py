@@ -65,13 +65,20 @@ def retrieval_config(args: argparse.Namespace) -> RetrievalConfig:
     )
 
 
-def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):
-    """Load the target (and drafter) named by the options and build a Rapid engine."""
-    from rapidspec.engine import Rapid
+def load_models(args: argparse.Namespace):
+    """(target, drafter or None) named by the model options."""
     from rapidspec.models import load_model
 
     target = load_model(args.target, dtype=args.dtype, device=args.device)
     drafter = None
     if args.drafter is not None:
         drafter = load_model(args.drafter, dtype=args.dtype, device=args.drafter_device or args.device)
+    return target, drafter
+
+
+def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):
+    """Load the target (and drafter) named by the options and build a Rapid engine."""
+    from rapidspec.engine import Rapid
+
+    target, drafter = load_models(args)
     return Rapid(target, drafter, retrieval=retrieval_config(args), reuse_document_cache=reuse_document_cache)
