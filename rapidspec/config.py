@@ -41,6 +41,8 @@ class DecodeConfig:
     * ``draft_gate``: alpha of the gate ``q >= alpha * max(q)``.
     * ``residual``: ``exact`` (tokens follow p^) or ``paper`` (Eq. 10).
     * ``max_new_tokens``, ``stop``: stop strings, ``seed``: for sampling.
+    * ``ignore_eos``: keep generating after an end-of-sequence token until
+      ``max_new_tokens`` (benchmarks with a fixed answer length, as vLLM's).
     * ``truncate``: a document longer than the window is middle-truncated
       (``middle``) or refused (``error``).
     """
@@ -58,6 +60,7 @@ class DecodeConfig:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    ignore_eos: bool = False
     truncate: Literal["middle", "error"] = "middle"
 
     def __post_init__(self) -> None:

@@ -248,7 +248,7 @@ class Rapid:
             # 5 commit: stop at EOS and at max_new_tokens, then roll back the caches
             finished = ""
             for index, token in enumerate(emitted):
-                if token in self.eos_token_ids:
+                if token in self.eos_token_ids and not config.ignore_eos:
                     emitted, finished = emitted[:index], "eos"
                     break
             if len(emitted) >= remaining:
@@ -323,7 +323,7 @@ class Rapid:
                 if position == k:
                     break
                 drafts.append(token)
-                if token in self.eos_token_ids or (position == k - 1 and eta == 0):
+                if (token in self.eos_token_ids and not config.ignore_eos) or (position == k - 1 and eta == 0):
                     break  # nothing to draft after EOS; q at the bonus position not needed
                 logits = self._logits(drafter_cache.forward([token], 1))[0]
         if profile:

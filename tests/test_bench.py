@@ -153,3 +153,27 @@ def test_cli_end_to_end_builtin(capsys, tmp_path):
     assert [r["label"] for r in data["results"]] == ["lc", "rapid", "hf-assisted"]
     assert data["results"][2]["equals_lc"] is True
     assert (tmp_path / "b.png").exists()
+
+
+def test_peak_memory_is_reported_per_result(report):
+    for r in report.results:
+        assert r.peak_rss_gib > 0.01 and r.peak_cuda_gib is None  # CPU-only run: resident set of this process
+    assert "peak_rss_gib" in report.to_dict()["results"][0]
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_gives_every_mode_the_full_length(tiny_model, ignore_eos):
+    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
+    plain = engine.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=12).token_ids
+    stop_token = plain[3]  # make a token of the answer the end-of-sequence token
+    engine.eos_token_ids = frozenset({stop_token})
+    base = DecodeConfig(max_new_tokens=12, eta=0.0, ignore_eos=ignore_eos)
+    report = speed.run_benchmark(
+        engine, [speed.BenchItem(DOCUMENT, QUESTION)], ("lc", "ragsd", "rapid", "hf-assisted"), base,
+        repeats=1, warmup=False,
+    )
+    expected = 12 if ignore_eos else plain.index(stop_token)
+    assert report.ignore_eos is ignore_eos
+    for r in report.results:
+        assert r.new_tokens == expected, r.label
+        assert r.equals_lc, r.label

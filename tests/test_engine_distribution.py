@@ -179,3 +179,19 @@ def test_forced_eos_inside_a_draft_stops(byte_tokenizer):
     assert out.stats.rounds == 1
     # the drafter stopped drafting at EOS: a, b, EOS
     assert out.stats.drafted_tokens == 3
+
+
+@pytest.mark.parametrize("mode", ["lc", "ragsd", "rapid"])
+def test_ignore_eos_generates_past_eos_up_to_the_limit(byte_tokenizer, mode):
+    chain = {"a": "b", "b": "EOS"}  # after EOS the tables go back to "a"
+    target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
+    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+        DOCUMENT, QUESTION, mode=mode, gamma=4, max_new_tokens=9, ignore_eos=True
+    )
+    eos = byte_tokenizer.eos_token_id
+    a, b = byte_tokenizer.convert_tokens_to_ids(["a", "b"])
+    assert out.token_ids == (a, b, eos) * 3
+    assert out.text == "ababab"  # EOS is a special token: not in the text
+    assert out.stats.stop_reason == "length" and out.stats.new_tokens == 9
+    if mode != "lc":
+        assert out.stats.accepted_tokens == out.stats.drafted_tokens  # drafting went on past EOS

@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     add_decode_options(parser, modes=False)
     add_retrieval_options(parser)
     # 256-token chunks: the default 512 exceeds the default budget (doc/16, at least 256) below ~8K tokens.
-    parser.set_defaults(handler=run, max_new_tokens=64, chunk_tokens=256)
+    # Fixed answer lengths (as vLLM's benchmarks): decode speed is measured over max_new_tokens, not a short answer.
+    parser.set_defaults(handler=run, max_new_tokens=64, chunk_tokens=256, ignore_eos=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,10 +107,11 @@ def results_table(report: speed.BenchReport) -> Table:
     what = f"rapid, {report.sweep.param} sweep" if report.sweep else "modes"
     table = Table(title=(
         f"rapidspec bench ({what}): {report.model}, drafter {report.drafter}, {report.device} {report.dtype}, "
-        f"gamma {report.gamma}, eta {report.eta:g}, {report.max_new_tokens} new tokens, median of {report.repeats}"
+        f"gamma {report.gamma}, eta {report.eta:g}, {report.max_new_tokens} new tokens"
+        f"{' (EOS ignored)' if report.ignore_eos else ''}, median of {report.repeats}"
     ))
     for name in ("prompt tok", "mode", "target prefill s", "drafter prefill s", "decode tok/s", "accept rate",
-                 "mean acc len", "decode speedup", "e2e speedup", "= lc"):
+                 "mean acc len", "decode speedup", "e2e speedup", "= lc", "peak GiB"):
         table.add_column(name, justify="left" if name == "mode" else "right")
     previous = None
     for r in report.results:
@@ -127,6 +129,7 @@ def results_table(report: speed.BenchReport) -> Table:
             _fmt(r.decode_speedup, ".2f") + ("x" if r.decode_speedup is not None else ""),
             _fmt(r.end_to_end_speedup, ".2f") + ("x" if r.end_to_end_speedup is not None else ""),
             {True: "yes", False: "no", None: "-"}[r.equals_lc],
+            f"{r.peak_rss_gib:.2f}" + (f" (cuda {r.peak_cuda_gib:.2f})" if r.peak_cuda_gib is not None else ""),
         )
     return table
 

@@ -37,6 +37,8 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
     group.add_argument("--max-new-tokens", type=int, default=_DEFAULT_DECODE.max_new_tokens, help="answer length limit (default: %(default)s)")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=_DEFAULT_DECODE.ignore_eos,
+                       help="keep generating after the end-of-sequence token, up to --max-new-tokens")
     group.add_argument("--truncate", default=_DEFAULT_DECODE.truncate, choices=["middle", "error"], help="what to do with a document longer than the window")
 
 

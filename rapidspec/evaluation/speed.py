@@ -35,6 +35,7 @@ import torch
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.prompts import prompt_ids
+from rapidspec.evaluation.memory import GIB, PeakMemory
 
 from rapidspec.evaluation.bench_inputs import (  # noqa: F401  (re-exported)
     HF_ASSISTED,
@@ -81,6 +82,8 @@ class Measurement:
     verify_seconds: float = 0.0
     accept_seconds: float = 0.0
     bookkeeping_seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    peak_cuda_bytes: int | None = None
 
 
 @dataclass
@@ -110,6 +113,9 @@ class Result:
     decode_speedup: float | None = None
     end_to_end_speedup: float | None = None
     equals_lc: bool | None = None
+    # highest over the repeats: resident memory of the whole process, and CUDA allocations
+    peak_rss_gib: float = 0.0
+    peak_cuda_gib: float | None = None
     # --profile: medians of the decode split, in total and per round
     profile: dict[str, float] | None = None
     text: str = ""
@@ -131,6 +137,7 @@ class BenchReport:
     dtype: str
     repeats: int
     max_new_tokens: int
+    ignore_eos: bool
     gamma: int
     eta: float
     sweep: Sweep | None
@@ -144,6 +151,7 @@ class BenchReport:
             "dtype": self.dtype,
             "repeats": self.repeats,
             "max_new_tokens": self.max_new_tokens,
+            "ignore_eos": self.ignore_eos,
             "gamma": self.gamma,
             "eta": self.eta,
             "sweep": asdict(self.sweep) if self.sweep else None,
@@ -191,8 +199,14 @@ def _engine_measurement(engine, item: BenchItem, config: DecodeConfig, profile: 
     )
 
 
-def hf_assisted_generate(engine, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-    """transformers' assisted greedy generation with the engine's drafter; (new token ids without EOS, seconds)."""
+def hf_assisted_generate(
+    engine, input_ids: list[int], max_new_tokens: int, ignore_eos: bool = False
+) -> tuple[list[int], float]:
+    """transformers' assisted greedy generation with the engine's drafter; (new token ids without EOS, seconds).
+
+    With ``ignore_eos`` no token stops generation (``eos_token_id=None``) and
+    EOS tokens stay in the output, as in the engine.
+    """
     model = engine.target.model
     assistant = engine.drafter.model
     device = model.device
@@ -208,13 +222,13 @@ def hf_assisted_generate(engine, input_ids: list[int], max_new_tokens: int) -> t
             assistant_model=assistant,
             do_sample=False,
             max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
+            eos_token_id=None if ignore_eos else eos,
             pad_token_id=pad,
         )
         _sync(device)
         seconds = time.perf_counter() - started
     new = [int(t) for t in out[0, ids.shape[1] :]]
-    for index, token in enumerate(new):  # the engine does not emit EOS (nor padding after it)
+    for index, token in enumerate([] if ignore_eos else new):  # the engine does not emit EOS (nor padding after it)
         if token in engine.eos_token_ids:
             new = new[:index]
             break
@@ -227,8 +241,8 @@ def _hf_measurement(engine, item: BenchItem, config: DecodeConfig) -> Measuremen
     window = engine.target.max_context - config.max_new_tokens
     document, _ = fit_document(engine.tokenizer, engine.template, item.document, item.question, window, config.truncate)
     input_ids = prompt_ids(engine.tokenizer, engine.template, document, item.question, retrieved=False)
-    _, prefill = hf_assisted_generate(engine, input_ids, 1)
-    tokens, total = hf_assisted_generate(engine, input_ids, config.max_new_tokens)
+    _, prefill = hf_assisted_generate(engine, input_ids, 1, config.ignore_eos)
+    tokens, total = hf_assisted_generate(engine, input_ids, config.max_new_tokens, config.ignore_eos)
     decode = max(total - prefill, 1e-9)
     decoded_tokens = max(len(tokens) - 1, 0)
     return Measurement(
@@ -247,10 +261,16 @@ def _hf_measurement(engine, item: BenchItem, config: DecodeConfig) -> Measuremen
 
 
 def measure(engine, item: BenchItem, variant: Variant, base: DecodeConfig, profile: bool = False) -> Measurement:
-    """One timed generation of ``variant`` on ``item``."""
-    if variant.mode == HF_ASSISTED:
-        return _hf_measurement(engine, item, base)
-    return _engine_measurement(engine, item, variant.config, profile)
+    """One timed generation of ``variant`` on ``item``, with the peak memory it reached."""
+    devices = {engine.target.model.device, engine.drafter.model.device}
+    with PeakMemory(devices) as peak:
+        if variant.mode == HF_ASSISTED:
+            result = _hf_measurement(engine, item, base)
+        else:
+            result = _engine_measurement(engine, item, variant.config, profile)
+    result.peak_rss_bytes = peak.peak_rss_bytes
+    result.peak_cuda_bytes = peak.peak_cuda_bytes
+    return result
 
 
 def _summarise(variant: Variant, item_index: int, item: BenchItem, runs: list[Measurement], profile: bool) -> Result:
@@ -285,6 +305,8 @@ def _summarise(variant: Variant, item_index: int, item: BenchItem, runs: list[Me
         eta=config.effective_eta if config is not None else None,
         gamma=config.gamma if config is not None and variant.mode in ("sd", "ragsd", "rapid") else None,
         sweep_value=variant.sweep_value,
+        peak_rss_gib=max(m.peak_rss_bytes for m in runs) / GIB,
+        peak_cuda_gib=None if last.peak_cuda_bytes is None else max(m.peak_cuda_bytes or 0 for m in runs) / GIB,
         profile=split,
         text=last.text,
         token_ids=last.token_ids,
@@ -358,6 +380,7 @@ def run_benchmark(
         dtype=str(engine.target.model.dtype).removeprefix("torch."),
         repeats=repeats,
         max_new_tokens=base.max_new_tokens,
+        ignore_eos=base.ignore_eos,
         gamma=base.gamma,
         eta=base.with_(mode="rapid").effective_eta,
         sweep=sweep,
