@@ -6,10 +6,10 @@ speculative decoding (modes ``sd``, ``ragsd``, ``rapid``)::
 
     1 prefill   target cache <- target prompt[:-1], drafter cache <- drafter prompt[:-1]
     2 draft     drafter feeds its pending tokens, then drafts k tokens one by one
-                (and also feeds the k-th when eta > 0, to know q at the bonus position)
     3 verify    target feeds [pending, x_1..x_k] in ONE forward -> logits z_1..z_{k+1}
     4 accept    keep the longest accepted prefix x_1..x_n, then emit one token from
-                the residual (n < k) or from p^ at position k+1 (bonus, n = k)
+                the residual (n < k) or from p^ at position k+1 (bonus, n = k); with
+                eta > 0 the bonus needs q there, so only then the drafter feeds x_k
     5 roll back both caches to the committed tokens (minus the pending last one)
 
 The math of step 4 lives in :mod:`rapidspec.sampling`; the caches in
@@ -294,6 +294,17 @@ class Rapid:
         logits = self._logits(cache.forward(seq[cache.length :], num_logits=1))  # [1, V]
         return [int(self._choose(logits, config, generator)[0])]
 
+    def _draft_row(self, logits: torch.Tensor, config: DecodeConfig, device: torch.device) -> torch.Tensor:
+        """What step 4 keeps of a drafter position ([V] -> [V] on ``device``).
+
+        Greedy: the raw logits (q is taken at T = 1). Sampling: q, the filtered
+        logits at the temperature, normalised.
+        """
+        if config.greedy:
+            return logits.to(device)
+        filtered = sampling.filter_logits(logits[None].to(device), config.top_k, config.top_p)  # [1, V]
+        return (filtered / config.temperature).softmax(-1)[0]
+
     def _speculative_step(self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, k, profile):
         """One draft/verify round; returns (emitted tokens, gamma for the next round)."""
         eta, alpha = config.effective_eta, config.draft_gate
@@ -301,30 +312,25 @@ class Rapid:
         target_device = target_cache.device
         drafter_device = drafter_cache.device
 
-        # 2 draft: feed the pending tokens, then draft up to k tokens one by one.
-        # Rows kept for step 4: greedy keeps raw logits (q at T = 1) only when
-        # eta > 0; sampling keeps q. With eta > 0 the drafter also feeds x_k, so
-        # that q is known at the bonus position k + 1.
+        # 2 draft: feed the pending tokens, then draft up to k tokens one by one
+        # (x_k itself is not fed). Rows kept for step 4: q, or the raw logits
+        # when greedy (only needed when eta > 0).
         started = time.perf_counter()
         drafts: list[int] = []
         draft_rows: list[torch.Tensor] = []  # each [V], on the target's device
-        if k > 0 or eta > 0:
+        if k > 0:
             logits = self._logits(drafter_cache.forward(drafter_seq[drafter_cache.length :], 1))[0]  # [V]
-            for position in range(k + 1):
+            for position in range(k):
                 if greedy:
                     if eta > 0:
                         draft_rows.append(logits.to(target_device))
                     token = int(logits.argmax())
                 else:
-                    filtered = sampling.filter_logits(logits[None].to(target_device), config.top_k, config.top_p)
-                    q = (filtered / config.temperature).softmax(-1)  # [1, V]
-                    draft_rows.append(q[0])
-                    token = int(sampling.sample(q, generator)[0]) if position < k else -1
-                if position == k:
-                    break
+                    draft_rows.append(self._draft_row(logits, config, target_device))
+                    token = int(sampling.sample(draft_rows[-1][None], generator)[0])
                 drafts.append(token)
-                if (token in self.eos_token_ids and not config.ignore_eos) or (position == k - 1 and eta == 0):
-                    break  # nothing to draft after EOS; q at the bonus position not needed
+                if position == k - 1 or (token in self.eos_token_ids and not config.ignore_eos):
+                    break  # nothing to draft after EOS
                 logits = self._logits(drafter_cache.forward([token], 1))[0]
         if profile:
             _sync(drafter_device)
@@ -340,11 +346,16 @@ class Rapid:
 
         # 4 accept
         started = time.perf_counter()
+        bonus_seconds = 0.0  # drafter time inside step 4, counted as drafting
         draft_tensor = torch.tensor(drafts, dtype=torch.long, device=target_device)  # [k]
-        rows = torch.stack(draft_rows) if draft_rows else None  # [k or k+1, V]
+        rows = torch.stack(draft_rows) if draft_rows else None  # [k, V]
         if greedy:
             choices = sampling.greedy_target_choices(target_logits, rows, eta, alpha)  # [k+1]
             accepted = sampling.greedy_accepted_length(draft_tensor, choices)
+            bonus_row, bonus_seconds = self._bonus_row(config, drafter_cache, drafter_seq, drafts, accepted, target_device, profile)
+            if bonus_row is not None:
+                bonus = slice(accepted, accepted + 1)
+                choices[bonus] = sampling.greedy_target_choices(target_logits[bonus], bonus_row[None], eta, alpha)
             next_token = int(choices[accepted])
         else:
             scaled = sampling.filter_logits(target_logits, config.top_k, config.top_p) / config.temperature
@@ -358,15 +369,23 @@ class Rapid:
             uniforms = torch.rand(len(drafts), generator=generator, device=target_device)  # [k]
             accept = sampling.acceptance_mask(draft_tensor, rows, augmented_probs, uniforms) if drafts else draft_tensor.bool()
             accepted = sampling.accepted_prefix_length(accept)
+            i = slice(accepted, accepted + 1)
             if accepted < len(drafts):
-                i = slice(accepted, accepted + 1)
                 residual = sampling.residual_probs(target_probs[i], rows[i], augmented_probs[i], config.residual)
                 next_token = int(sampling.sample(residual, generator)[0])
             else:
-                next_token = int(sampling.sample(augmented_probs[accepted : accepted + 1], generator)[0])
+                bonus_row, bonus_seconds = self._bonus_row(
+                    config, drafter_cache, drafter_seq, drafts, accepted, target_device, profile
+                )
+                if bonus_row is not None:
+                    augmented_probs[i] = sampling.augmented_logits(
+                        scaled[i], target_probs[i], bonus_row[None], eta, alpha
+                    ).softmax(-1)
+                next_token = int(sampling.sample(augmented_probs[i], generator)[0])
         if profile:
             _sync(target_device)
-        stats.accept_seconds += time.perf_counter() - started
+        stats.accept_seconds += time.perf_counter() - started - bonus_seconds
+        stats.draft_seconds += bonus_seconds
         if drafts:
             stats.record_round(len(drafts), accepted)
         else:
@@ -377,6 +396,27 @@ class Rapid:
             current = len(drafts)
             next_gamma = min(config.max_gamma, current + 2) if accepted == current else max(1, current - 1)
         return drafts[:accepted] + [next_token], next_gamma
+
+    def _bonus_row(
+        self, config, drafter_cache, drafter_seq, drafts, accepted, target_device, profile
+    ) -> tuple[torch.Tensor | None, float]:
+        """The drafter's row at the bonus position k + 1 ([V] or None) and the seconds it took.
+
+        Computed only when it is used: eta > 0 and every draft accepted (and
+        the last draft is not an EOS that ends generation). Feeding x_k then
+        costs nothing extra, since the next round would feed it anyway.
+        """
+        if config.effective_eta == 0 or accepted < len(drafts):
+            return None, 0.0
+        if drafts and drafts[-1] in self.eos_token_ids and not config.ignore_eos:
+            return None, 0.0
+        started = time.perf_counter()
+        unfed = (drafter_seq + drafts)[drafter_cache.length :]
+        logits = self._logits(drafter_cache.forward(unfed, 1))[0]  # [V]
+        row = self._draft_row(logits, config, target_device)
+        if profile:
+            _sync(drafter_cache.device)
+        return row, time.perf_counter() - started
 
 
 def _logit_width(model) -> int:

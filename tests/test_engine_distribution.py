@@ -195,3 +195,19 @@ def test_ignore_eos_generates_past_eos_up_to_the_limit(byte_tokenizer, mode):
     assert out.stats.stop_reason == "length" and out.stats.new_tokens == 9
     if mode != "lc":
         assert out.stats.accepted_tokens == out.stats.drafted_tokens  # drafting went on past EOS
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("ragsd", "abc"), ("rapid", "aby")])
+def test_greedy_bonus_token_uses_the_drafter_at_the_bonus_position(byte_tokenizer, mode, expected):
+    """Both drafts accepted; at the bonus position the target nearly ties c (0) and y (-0.1), the drafter says y.
+
+    rapid (eta = 2) must shift the bonus choice to y, which needs q at the bonus position.
+    """
+    target, drafter = forced(byte_tokenizer, {"a": "b", "b": "c"}, {"a": "b", "b": "y"}, "a", "a")
+    b, y = byte_tokenizer.convert_tokens_to_ids(["b", "y"])
+    target.model.table[b, y] = -0.1
+    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+        DOCUMENT, QUESTION, mode=mode, gamma=2, max_new_tokens=3
+    )
+    assert out.text == expected
+    assert out.stats.rounds == 1 and out.stats.accepted_tokens == 2
