@@ -4,6 +4,12 @@
 ids it holds, so that "what the cache contains" is never a counter kept by
 someone else. Rollback uses only the public ``Cache.crop``.
 
+The cache's full-attention layers are :class:`GrowableLayer` (a subclass of
+transformers' public ``DynamicLayer``): new keys and values are written into
+room reserved ahead instead of concatenated, so a decode step no longer copies
+the whole cache (at 16K tokens of Qwen2.5-1.5B that copy moved about 0.5 GB per
+step; ``torch.cat`` was 20% of a draft step even at 1K tokens).
+
 Convention used by the engine: after every round a cache holds every
 committed token except possibly the last one or two, which are fed at the start
 of the next forward pass (``pending`` tokens).
@@ -15,7 +21,82 @@ import copy
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, DynamicLayer
+
+# Reserved room grows by this factor (and in multiples of ROOM_QUANTUM tokens).
+ROOM_GROWTH = 1.5
+ROOM_QUANTUM = 256
+
+
+class GrowableLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values are views of buffers with room to spare.
+
+    ``keys`` and ``values`` are always the first ``length`` positions of the
+    buffers ([batch, kv_heads, length, head_dim]); ``update`` copies the new
+    states into the room after them, growing the buffers by
+    :data:`ROOM_GROWTH` when full. ``crop`` (inherited) shortens the views, and
+    the next update overwrites what was cropped. Anything that replaces
+    ``keys`` by a tensor that is not such a view (batch reordering, reset) is
+    detected and the buffers are rebuilt from it.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_room: torch.Tensor | None = None
+        self._value_room: torch.Tensor | None = None
+
+    def _views_of_room(self) -> bool:
+        room = self._key_room
+        return (
+            room is not None
+            and self.keys.dim() == 4
+            and self.keys.data_ptr() == room.data_ptr()
+            and self.keys.shape[:2] == room.shape[:2]
+            and self.values.data_ptr() == self._value_room.data_ptr()
+        )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        old = self.get_seq_length()
+        new = old + key_states.shape[-2]
+        if old == 0 or not self._views_of_room() or new > self._key_room.shape[-2]:
+            grown = int(ROOM_GROWTH * self._key_room.shape[-2]) if old and self._key_room is not None else 0
+            capacity = -(-max(new, grown) // ROOM_QUANTUM) * ROOM_QUANTUM  # rounded up
+            self._key_room = self._reserve(self.keys if old else None, key_states, capacity)
+            self._value_room = self._reserve(self.values if old else None, value_states, capacity)
+        self._key_room[:, :, old:new].copy_(key_states)
+        self._value_room[:, :, old:new].copy_(value_states)
+        self.keys = self._key_room[:, :, :new]
+        self.values = self._value_room[:, :, :new]
+        return self.keys, self.values
+
+    @staticmethod
+    def _reserve(held: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        """An empty [batch, heads, capacity, dim] buffer starting with ``held``."""
+        batch, heads, _, dim = like.shape
+        room = like.new_empty((batch, heads, capacity, dim))
+        if held is not None:
+            room[:, :, : held.shape[-2]].copy_(held)
+        return room
+
+    def reset(self) -> None:
+        super().reset()
+        self._key_room = self._value_room = None
+
+
+def new_cache(config) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`GrowableLayer`.
+
+    Other layer types (sliding windows, ...) are kept as transformers builds them.
+    """
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    if not cache.layers:
+        cache.layer_class_to_replicate = GrowableLayer
+    return cache
 
 
 class KVCache:
@@ -26,7 +107,7 @@ class KVCache:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         self.model = model
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self._cache = DynamicCache(config=model.config)
+        self._cache = new_cache(model.config)
         self._token_ids: list[int] = []
 
     @property
