@@ -209,6 +209,10 @@ class Rapid:
                 observer,
             )
 
+    def clear_document_cache(self) -> None:
+        """Forget the stored target cache of the last document (the next prefill starts from scratch)."""
+        self._document_cache = None
+
     # ------------------------------------------------------------ internals
     def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool) -> KVCache:
         """Prefill the target on ``token_ids[:-1]``, reusing the last document's cache when it shares a prefix."""
@@ -352,7 +356,9 @@ class Rapid:
         if greedy:
             choices = sampling.greedy_target_choices(target_logits, rows, eta, alpha)  # [k+1]
             accepted = sampling.greedy_accepted_length(draft_tensor, choices)
-            bonus_row, bonus_seconds = self._bonus_row(config, drafter_cache, drafter_seq, drafts, accepted, target_device, profile)
+            bonus_row, bonus_seconds = self._bonus_row(
+                config, drafter_cache, drafter_seq, drafts, accepted, target_device, profile
+            )
             if bonus_row is not None:
                 bonus = slice(accepted, accepted + 1)
                 choices[bonus] = sampling.greedy_target_choices(target_logits[bonus], bonus_row[None], eta, alpha)

@@ -177,3 +177,25 @@ def test_ignore_eos_gives_every_mode_the_full_length(tiny_model, ignore_eos):
     for r in report.results:
         assert r.new_tokens == expected, r.label
         assert r.equals_lc, r.label
+
+
+def test_shared_prefill_is_measured_once_and_credited_to_every_run(tiny_model):
+    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=True)
+    base = DecodeConfig(max_new_tokens=8, eta=0.0)
+    report = speed.run_benchmark(
+        engine, [speed.BenchItem(DOCUMENT, QUESTION)], ("lc", "rag", "ragsd", "rapid"), base, repeats=2,
+        warmup=False, share_prefill=True,
+    )
+    assert report.shared_prefill and report.to_dict()["shared_prefill"]
+    by_label = {r.label: r for r in report.results}
+    full = by_label["lc"].target_prefill_seconds
+    for label in ("ragsd", "rapid"):
+        assert by_label[label].target_prefill_seconds == full
+        assert by_label[label].equals_lc
+    assert by_label["rag"].target_prefill_seconds != full  # the target reads the retrieved text: its own prefill
+
+
+def test_engine_and_share_prefill_must_agree(tiny_model):
+    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
+    with pytest.raises(RapidspecError, match="reuse_document_cache=True"):
+        speed.run_benchmark(engine, [speed.BenchItem(DOCUMENT, QUESTION)], ("lc",), repeats=1, share_prefill=True)

@@ -38,6 +38,9 @@ def register(subparsers) -> None:
     parser.add_argument("--data", default=None, help="JSON list or JSONL of {document, question} records instead of the demo document")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode and input; medians are reported (default: 3)")
     parser.add_argument("--sweep", default=None, help="run rapid at each value: eta=0,1,2,5,10 or gamma=2,4,6,8 (replaces --modes)")
+    parser.add_argument("--share-prefill", action="store_true",
+                        help="prefill the target once per input and let every run start from a copy "
+                             "(each run is credited with that one measured prefill); makes repeats on long inputs cheap")
     parser.add_argument("--profile", action="store_true", help="split decode time into draft, verify, accept and bookkeeping")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="write a figure of throughput and speedup against length")
     add_model_options(parser)
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     with err.status("loading the model"):
-        engine = load_engine(args, reuse_document_cache=False)
+        engine = load_engine(args, reuse_document_cache=args.share_prefill)
     window = engine.target.max_context
     if items is None:
         if lengths is None:
@@ -83,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
             first[0] = False
             progress.update(task, description=message)
 
-        report = speed.run_benchmark(engine, items, modes, base, args.repeats, sweep, args.profile, progress=note)
+        report = speed.run_benchmark(
+            engine, items, modes, base, args.repeats, sweep, args.profile, progress=note, share_prefill=args.share_prefill
+        )
         progress.advance(task)
 
     out = Console(width=None if Console().is_terminal else 160)  # do not squeeze the table when piped
@@ -109,6 +114,7 @@ def results_table(report: speed.BenchReport) -> Table:
         f"rapidspec bench ({what}): {report.model}, drafter {report.drafter}, {report.device} {report.dtype}, "
         f"gamma {report.gamma}, eta {report.eta:g}, {report.max_new_tokens} new tokens"
         f"{' (EOS ignored)' if report.ignore_eos else ''}, median of {report.repeats}"
+        f"{', target prefill shared' if report.shared_prefill else ''}"
     ))
     for name in ("prompt tok", "mode", "target prefill s", "drafter prefill s", "decode tok/s", "accept rate",
                  "mean acc len", "decode speedup", "e2e speedup", "= lc", "peak GiB"):
