@@ -10,7 +10,10 @@ Contract:
   of a shared machine hits every mode alike. Reported numbers are medians over
   the rounds (``time.perf_counter``; the engine synchronises GPUs).
 * The engine must be built with ``reuse_document_cache=False``: otherwise a
-  later mode reuses an earlier mode's prefill of the same document.
+  later mode reuses an earlier mode's prefill of the same document. The one
+  exception is ``share_prefill=True`` (``--share-prefill``), which does that
+  on purpose and credits every run with the one measured prefill.
+* Answers have a fixed length when ``ignore_eos`` is set (the CLI default).
 * ``hf-assisted`` is transformers' own ``model.generate(..., assistant_model=
   drafter)`` on the full prompt with the assistant's default settings (what a
   user gets). Its prefill is timed as a separate ``max_new_tokens=1`` call
