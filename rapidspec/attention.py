@@ -97,13 +97,12 @@ def gqa_sdpa_attention(
     use_causal_flag = bool(causal and attention_mask is None and q_len > 1 and q_len == kv_len)
     if causal and attention_mask is None and q_len > 1 and not use_causal_flag:
         positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [q_len, 1]
-        attention_mask = torch.arange(kv_len, device=query.device)[None, :] <= positions  # [q_len, kv_len]
+        attention_mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, q, n]
     dropout_p = dropout if module.training else 0.0
     if query.device.type == "cpu" and q_len <= MATMUL_MAX_QUERY and not use_causal_flag and dropout_p == 0.0:
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        mask = attention_mask if attention_mask is None or attention_mask.dim() == 4 else attention_mask[None, None]
-        output = grouped_matmul_attention(query, key, value, mask, scaling)
+        output = grouped_matmul_attention(query, key, value, attention_mask, scaling)
     else:
         output = torch.nn.functional.scaled_dot_product_attention(
             query,

@@ -252,7 +252,7 @@ class Rapid:
             # 5 commit: stop at EOS and at max_new_tokens, then roll back the caches
             finished = ""
             for index, token in enumerate(emitted):
-                if token in self.eos_token_ids and not config.ignore_eos:
+                if self._ends_generation(token, config):
                     emitted, finished = emitted[:index], "eos"
                     break
             if len(emitted) >= remaining:
@@ -298,6 +298,10 @@ class Rapid:
         logits = self._logits(cache.forward(seq[cache.length :], num_logits=1))  # [1, V]
         return [int(self._choose(logits, config, generator)[0])]
 
+    def _ends_generation(self, token: int, config: DecodeConfig) -> bool:
+        """Whether ``token`` is an EOS that stops generation (never with ``ignore_eos``)."""
+        return token in self.eos_token_ids and not config.ignore_eos
+
     def _draft_row(self, logits: torch.Tensor, config: DecodeConfig, device: torch.device) -> torch.Tensor:
         """What step 4 keeps of a drafter position ([V] -> [V] on ``device``).
 
@@ -327,13 +331,13 @@ class Rapid:
             for position in range(k):
                 if greedy:
                     if eta > 0:
-                        draft_rows.append(logits.to(target_device))
+                        draft_rows.append(self._draft_row(logits, config, target_device))
                     token = int(logits.argmax())
                 else:
                     draft_rows.append(self._draft_row(logits, config, target_device))
                     token = int(sampling.sample(draft_rows[-1][None], generator)[0])
                 drafts.append(token)
-                if position == k - 1 or (token in self.eos_token_ids and not config.ignore_eos):
+                if position == k - 1 or self._ends_generation(token, config):
                     break  # nothing to draft after EOS
                 logits = self._logits(drafter_cache.forward([token], 1))[0]
         if profile:
@@ -414,7 +418,7 @@ class Rapid:
         """
         if config.effective_eta == 0 or accepted < len(drafts):
             return None, 0.0
-        if drafts and drafts[-1] in self.eos_token_ids and not config.ignore_eos:
+        if drafts and self._ends_generation(drafts[-1], config):
             return None, 0.0
         started = time.perf_counter()
         unfed = (drafter_seq + drafts)[drafter_cache.length :]

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from rapidspec.config import DecodeConfig
+from rapidspec.config import MODES, TARGET_READS_RETRIEVED, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.prompts import prompt_ids
 from rapidspec.evaluation.memory import GIB, PeakMemory
@@ -168,7 +168,7 @@ class BenchReport:
 
 
 # Engine modes whose target reads the whole document (their prefill can be shared).
-FULL_CONTEXT_MODES = ("lc", "sd", "ragsd", "rapid")
+FULL_CONTEXT_MODES = tuple(m for m in MODES if m not in TARGET_READS_RETRIEVED)
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -237,10 +237,11 @@ def hf_assisted_generate(
         _sync(device)
         seconds = time.perf_counter() - started
     new = [int(t) for t in out[0, ids.shape[1] :]]
-    for index, token in enumerate([] if ignore_eos else new):  # the engine does not emit EOS (nor padding after it)
-        if token in engine.eos_token_ids:
-            new = new[:index]
-            break
+    if not ignore_eos:  # the engine does not emit EOS (nor padding after it)
+        for index, token in enumerate(new):
+            if token in engine.eos_token_ids:
+                new = new[:index]
+                break
     return new, seconds
 
 
