@@ -430,7 +430,8 @@ class Rapid:
 
 
 def _logit_width(model) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+    head = model.get_output_embeddings()  # nn.Linear or rapidspec.quantization.Int8Linear
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
 def _eos_token_ids(loaded) -> frozenset[int]:

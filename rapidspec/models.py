@@ -36,7 +36,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ import torch
 
 from rapidspec.devices import resolve_device, resolve_dtype
 from rapidspec.errors import RapidspecError
+from rapidspec.quantization import check_quantization, quantize_linears, quantized_copy
 from rapidspec.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ __all__ = [
     "PartWheels",
     "builtin_entry",
     "cache_root",
+    "int8_copy",
     "check_same_vocabulary",
     "load_model",
     "resolve_device",
@@ -177,6 +179,12 @@ class LoadedModel:
     dtype: torch.dtype
     max_context: int
     source: str
+    quantization: str = "none"
+
+    @property
+    def label(self) -> str:
+        """``name``, with the weight quantization when there is one (e.g. ``self int8``)."""
+        return self.name if self.quantization == "none" else f"{self.name} {self.quantization}"
 
 
 # --------------------------------------------------------------------------
@@ -365,6 +373,7 @@ def load_model(
     device: str | torch.device = "auto",
     device_map: Any = None,
     attention: str = "native-gqa",
+    quantize: str = "none",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, offline.
 
@@ -377,8 +386,11 @@ def load_model(
     (grouped-query attention without repeating key/value heads, same
     results as ``sdpa``); ``"sdpa"`` or any other transformers
     ``attn_implementation`` name is passed through.
+    ``quantize``: ``"none"`` or ``"int8"`` (int8 weight-only linear layers,
+    :mod:`rapidspec.quantization`; meant for drafters on CPU).
     Raises :class:`RapidspecError` for anything the user can fix.
     """
+    check_quantization(quantize)
     if attention == "native-gqa":
         from rapidspec.attention import register
 
@@ -397,6 +409,8 @@ def load_model(
     else:
         model, tokenizer = _load_pretrained(source, torch_dtype, torch_device, device_map, attention)
 
+    if quantize == "int8":
+        logger.info("int8 weights for %d linear layers of %s", quantize_linears(model), name)
     param = next(model.parameters())
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -414,4 +428,14 @@ def load_model(
         dtype=param.dtype,
         max_context=max_context,
         source=source,
+        quantization=quantize,
     )
+
+
+def int8_copy(loaded: LoadedModel, name: str | None = None) -> LoadedModel:
+    """``loaded`` with int8 linear layers, sharing every other tensor with it.
+
+    For an int8 self-drafter next to a float target: only the int8 weights are new.
+    """
+    model = quantized_copy(loaded.model)
+    return replace(loaded, name=name or loaded.name, model=model, quantization="int8")

@@ -146,12 +146,13 @@ def test_cli_errors_exit_2_before_loading_a_model(argv, message, capsys):
 @pytest.mark.slow
 def test_cli_end_to_end_builtin(capsys, tmp_path):
     code = main(["bench", "--lengths", "512", "--repeats", "2", "--max-new-tokens", "8", "--modes", "lc,rapid,hf-assisted",
-                 "--share-prefill", "--plot", str(tmp_path / "b.png")])
+                 "--share-prefill", "--drafter-quantize", "int8", "--plot", str(tmp_path / "b.png")])
     assert code == 0
     out = capsys.readouterr().out.strip().splitlines()
     data = json.loads(out[-1])
     assert [r["label"] for r in data["results"]] == ["lc", "rapid", "hf-assisted"]
     assert data["results"][2]["equals_lc"] is True
+    assert data["drafter"] == "self int8"
     assert data["shared_prefill"] and data["ignore_eos"] and all(r["new_tokens"] == 8 for r in data["results"])
     assert data["results"][1]["target_prefill_seconds"] == data["results"][0]["target_prefill_seconds"]
     assert all(r["peak_rss_gib"] > 0.1 for r in data["results"])

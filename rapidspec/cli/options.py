@@ -6,6 +6,7 @@ import argparse
 from dataclasses import fields
 
 from rapidspec.config import MODES, DecodeConfig
+from rapidspec.quantization import QUANTIZATIONS
 from rapidspec.retrieval import METHODS, RetrievalConfig
 
 _DEFAULT_DECODE = DecodeConfig()
@@ -19,6 +20,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype (default: auto)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     group.add_argument("--drafter-device", default=None, help="device of the drafter (default: --device)")
+    group.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="target weights: none or int8 (default: none)")
+    group.add_argument("--drafter-quantize", default="none", choices=QUANTIZATIONS,
+                       help="drafter weights: int8 halves a CPU drafter step; with no --drafter, an int8 copy of the target drafts (default: none)")
 
 
 def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> None:
@@ -69,12 +73,15 @@ def retrieval_config(args: argparse.Namespace) -> RetrievalConfig:
 
 def load_models(args: argparse.Namespace):
     """(target, drafter or None) named by the model options."""
-    from rapidspec.models import load_model
+    from rapidspec.models import int8_copy, load_model
 
-    target = load_model(args.target, dtype=args.dtype, device=args.device)
+    target = load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize)
     drafter = None
     if args.drafter is not None:
-        drafter = load_model(args.drafter, dtype=args.dtype, device=args.drafter_device or args.device)
+        drafter = load_model(args.drafter, dtype=args.dtype, device=args.drafter_device or args.device,
+                             quantize=args.drafter_quantize)
+    elif args.drafter_quantize == "int8" and args.quantize == "none":
+        drafter = int8_copy(target, name="self")
     return target, drafter
 
 

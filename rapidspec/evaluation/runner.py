@@ -218,7 +218,7 @@ def run_eval(
     decode_options = dict(decode_options or {})
     config = {
         "model": getattr(target, "name", type(target).__name__),
-        "drafter": getattr(drafter, "name", None) if drafter is not None else None,
+        "drafter": getattr(drafter, "label", getattr(drafter, "name", None)) if drafter is not None else None,
         "data": data_label,
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,

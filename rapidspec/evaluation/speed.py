@@ -404,7 +404,7 @@ def run_benchmark(
     compare_with_lc(results)
     return BenchReport(
         model=engine.target.name,
-        drafter="self" if engine.drafter is engine.target else engine.drafter.name,
+        drafter="self" if engine.drafter is engine.target else engine.drafter.label,
         device=str(engine.target.model.device),
         dtype=str(engine.target.model.dtype).removeprefix("torch."),
         repeats=repeats,

@@ -1,0 +1,111 @@
+"""Int8 weight-only linear layers and int8 drafters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rapidspec import Rapid
+from rapidspec.errors import RapidspecError
+from rapidspec.models import int8_copy
+from rapidspec.quantization import (
+    KERNEL_MAX_ROWS,
+    Int8Linear,
+    check_quantization,
+    quantize_linears,
+    quantize_weight,
+    quantized_copy,
+)
+from tests.test_engine import DOCUMENT, QUESTION, engine
+
+
+def test_quantize_weight_rounds_each_channel_to_half_a_step():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 40, generator=generator) * torch.linspace(0.01, 5.0, 24)[:, None]  # [out, in]
+    weight[3] = 0.0  # an all-zero channel must not divide by zero
+    weight_int8, scales = quantize_weight(weight)
+    assert weight_int8.dtype == torch.int8 and weight_int8.shape == weight.shape and scales.shape == (24,)
+    assert int(weight_int8.abs().max()) == 127  # the largest entry of a channel uses the full range
+    error = (weight_int8.float() * scales[:, None] - weight).abs()
+    assert bool((error <= scales[:, None] / 2 + 1e-7).all())
+    assert bool((weight_int8[3] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [64, 40])  # a kernel width and one that takes the dequantised path
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS + 9])  # int8 kernel, and the dequantised product
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_equals_the_dequantised_product(dtype, in_features, rows, bias):
+    generator = torch.Generator().manual_seed(rows + in_features)
+    linear = nn.Linear(in_features, 48, bias=bias).to(dtype)
+    quantized = Int8Linear.from_linear(linear)
+    x = torch.randn(2, rows, in_features, generator=generator).to(dtype)  # [batch, rows, in]
+    dequantised = quantized.weight_int8.double() * quantized.scales.double()[:, None]  # [out, in]
+    expected = F.linear(x.double(), dequantised, None if linear.bias is None else linear.bias.double())
+    got = quantized(x)
+    assert got.shape == (2, rows, 48) and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+def test_kernel_and_dequantised_paths_agree_row_by_row():
+    generator = torch.Generator().manual_seed(3)
+    quantized = Int8Linear.from_linear(nn.Linear(96, 80))
+    x = torch.randn(KERNEL_MAX_ROWS + 4, 96, generator=generator)  # [rows, in]: dequantised path
+    whole = quantized(x)
+    by_row = torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])  # one row at a time: int8 kernel
+    torch.testing.assert_close(by_row, whole, rtol=1e-5, atol=1e-5)
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()  # [len, V]
+
+
+def test_quantize_linears_replaces_every_linear_and_stays_close(tiny_model):
+    ids = list(range(40, 90))
+    clone = quantized_copy(tiny_model.model)
+    layers = tiny_model.model.config.num_hidden_layers
+    assert sum(isinstance(m, Int8Linear) for m in clone.modules()) == layers * 7 + 1  # q k v o gate up down + head
+    assert not any(type(m) is nn.Linear for m in clone.modules())
+    reference, got = _logits(tiny_model.model, ids), _logits(clone, ids)
+    assert (got - reference).abs().max() < 0.02 * reference.abs().max()
+    assert quantize_linears(nn.Sequential(nn.ReLU())) == 0
+
+
+def test_quantized_copy_leaves_the_original_alone_and_shares_other_tensors(tiny_model):
+    ids = list(range(50, 70))
+    before = _logits(tiny_model.model, ids)
+    clone = quantized_copy(tiny_model.model)
+    assert torch.equal(_logits(tiny_model.model, ids), before)
+    assert type(tiny_model.model.lm_head) is nn.Linear
+    original_embedding = tiny_model.model.get_input_embeddings().weight
+    assert clone.get_input_embeddings().weight.data_ptr() == original_embedding.data_ptr()
+    norms = [(a.weight.data_ptr(), b.weight.data_ptr()) for a, b in zip(tiny_model.model.modules(), clone.modules())
+             if "Norm" in type(a).__name__]
+    assert norms and all(a == b for a, b in norms)
+
+
+def test_int8_self_drafter_keeps_greedy_output_equal_to_lc(tiny_model, other_tiny_model):
+    lc = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
+    for drafter in (int8_copy(tiny_model, name="self"), int8_copy(other_tiny_model)):
+        out = engine(tiny_model, drafter).generate(DOCUMENT, QUESTION, mode="ragsd", eta=0.0, gamma=4, max_new_tokens=40)
+        assert out.token_ids == lc.token_ids
+        assert out.stats.rounds > 0
+    rapid = engine(tiny_model, int8_copy(tiny_model, name="self")).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=20)
+    assert len(rapid.token_ids) > 0
+
+
+def test_labels_and_validation(tiny_model):
+    assert tiny_model.label == tiny_model.name
+    assert int8_copy(tiny_model, name="self").label == "self int8"
+    assert check_quantization("int8") == "int8"
+    with pytest.raises(RapidspecError, match="none, int8"):
+        check_quantization("int4")
+
+
+def test_engine_reads_the_vocabulary_of_an_int8_head(tiny_model):
+    rapid = Rapid(tiny_model, int8_copy(tiny_model))
+    assert rapid.vocab_size == tiny_model.model.config.vocab_size
