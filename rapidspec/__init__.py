@@ -3,7 +3,7 @@
     from rapidspec import Rapid, load_model
     target = load_model("builtin")
     engine = Rapid(target)
-    out = engine.generate(document, question, mode="rapid", eta=10.0, gamma=6)
+    out = engine.generate(document, question, mode="rapid", eta=2.0, gamma=6)
 
 Heavy modules (torch, transformers) load on first use of these names.
 """
@@ -23,6 +23,7 @@ _EXPORTS = {
     "PromptTemplate": "rapidspec.prompts",
     "load_model": "rapidspec.models",
     "LoadedModel": "rapidspec.models",
+    "int8_copy": "rapidspec.models",
     "RapidspecError": "rapidspec.errors",
 }
 

@@ -73,18 +73,17 @@ class Int8Linear(nn.Module):
     by the dequantised weights, so the module is correct on every device.
     """
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: nn.Parameter | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
         self.register_buffer("weight_int8", weight_int8)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out], the activation dtype
-        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+        self.bias = bias  # [out] or None, shared with the float layer
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         weight_int8, scales = quantize_weight(linear.weight)
-        dtype = linear.weight.dtype
-        return cls(weight_int8, scales.to(dtype), linear.bias)
+        return cls(weight_int8, scales.to(linear.weight.dtype), linear.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -135,11 +134,3 @@ def quantized_copy(model: nn.Module) -> nn.Module:
     quantize_linears(clone)
     return clone
 
-
-def int8_weight_bytes(model: nn.Module) -> int:
-    """Bytes held by the int8 weights and scales of ``model``'s :class:`Int8Linear` layers."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Int8Linear):
-            total += module.weight_int8.numel() + module.scales.numel() * module.scales.element_size()
-    return total

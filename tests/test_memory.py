@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import psutil
@@ -12,6 +13,7 @@ from rapidspec.evaluation.memory import PeakMemory
 
 
 def test_peak_sees_a_temporary_allocation():
+    gc.collect()  # garbage of earlier tests freed now cannot lower the RSS during the block
     before = psutil.Process().memory_info().rss
     with PeakMemory(interval_s=0.005) as peak:
         block = torch.ones(64 * 1024 * 1024)  # 256 MiB, touched

@@ -9,7 +9,7 @@ from torch import nn
 
 from rapidspec import Rapid
 from rapidspec.errors import RapidspecError
-from rapidspec.models import int8_copy
+from rapidspec import int8_copy
 from rapidspec.quantization import (
     KERNEL_MAX_ROWS,
     Int8Linear,

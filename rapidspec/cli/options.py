@@ -20,9 +20,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype (default: auto)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     group.add_argument("--drafter-device", default=None, help="device of the drafter (default: --device)")
-    group.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="target weights: none or int8 (default: none)")
+    group.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="target weights: none or int8 (default: %(default)s)")
     group.add_argument("--drafter-quantize", default="none", choices=QUANTIZATIONS,
-                       help="drafter weights: int8 halves a CPU drafter step; with no --drafter, an int8 copy of the target drafts (default: none)")
+                       help="drafter weights: int8 halves a CPU drafter step; with no --drafter, an int8 copy of the target drafts (default: %(default)s)")
 
 
 def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> None:
