@@ -9,9 +9,9 @@ per output channel halves those bytes; PyTorch's int8 weight-only kernel
 them without materialising a dequantised copy. Measured here: a 0.5B step
 52.9 -> 25.4 ms, a SmolLM2-135M step 25.2 -> 17.9 ms.
 
-Quantising the drafter never changes what the engine outputs in distribution:
-speculative decoding is exact for any drafter, and RAPID's augmented target
-uses the drafter's distribution as computed. Only acceptance can move.
+With η = 0 the output follows the target exactly whatever the drafter, so
+int8 drafter weights can only change acceptance. With η > 0 the engine
+follows p̂ built from the drafter's distribution q, here the int8 drafter's q.
 
 Layout: :func:`quantize_weight` is the pure per-channel rounding,
 :class:`Int8Linear` the module, :func:`quantize_linears` replaces a model's
@@ -23,7 +23,6 @@ bfloat16 target costs only the int8 weights).
 from __future__ import annotations
 
 import copy
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +30,11 @@ from torch import nn
 
 from rapidspec.errors import RapidspecError
 
-logger = logging.getLogger(__name__)
-
 #: Accepted values of ``quantize`` options.
 QUANTIZATIONS = ("none", "int8")
 #: Rows (tokens) up to which the int8 kernel runs; longer inputs (prefill
-#: chunks) are compute-bound and go through a dequantised float product, which
-#: on 2 cores is faster from about 8-16 rows on.
+#: chunks) are compute-bound and go through a dequantised float product (on 2
+#: cores the int8 kernel was faster at 8 rows, the float product at 64).
 KERNEL_MAX_ROWS = 16
 #: The CPU kernel reads the reduction dimension in vector blocks; other widths
 #: (none in the models we know) take the dequantised path.
