@@ -5,7 +5,7 @@ is bound by memory traffic: for Qwen2.5-0.5B in bfloat16 on 2 cores, the
 matrix products are about 80% of a step and the tied 151,936-token output
 layer alone ~14 ms of ~53 ms. Storing the weights as int8 with one float scale
 per output channel halves those bytes; PyTorch's int8 weight-only kernel
-(``aten::_weight_int8pack_mm``, the one torchao uses on CPU) multiplies
+(``aten::_weight_int8pack_mm``, the one gpt-fast calls on CPU) multiplies
 them without materialising a dequantised copy. Measured here: a 0.5B step
 52.9 -> 25.4 ms, a SmolLM2-135M step 25.2 -> 17.9 ms.
 
