@@ -35,6 +35,10 @@ class DecodeConfig:
     * ``gamma``: drafted tokens per round. ``gamma_schedule="heuristic"``
       grows it by 2 after a fully accepted round and shrinks it by 1 otherwise
       (between 1 and ``max_gamma``), as transformers' assisted generation does.
+    * ``draft_confidence``: a round stops drafting after a token the drafter
+      gave a probability below this (q at temperature 1 when greedy, else the
+      filtered q it was sampled from); 0 = always draft ``gamma`` tokens. The
+      paper's code stops at 0.1 (transformers' ``assistant_confidence_threshold``).
     * ``temperature``: 0 is greedy (DESIGN.md section 1), > 0 samples.
     * ``top_k`` (0 = off), ``top_p`` in (0, 1]: filters applied to both the
       target and the drafter logits before the temperature softmax.
@@ -52,6 +56,7 @@ class DecodeConfig:
     gamma: int = 6
     gamma_schedule: Literal["constant", "heuristic"] = "constant"
     max_gamma: int = 16
+    draft_confidence: float = 0.0
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -77,6 +82,8 @@ class DecodeConfig:
             raise RapidspecError(f"gamma_schedule must be 'constant' or 'heuristic', got {self.gamma_schedule!r}")
         if self.max_gamma < self.gamma:
             raise RapidspecError(f"max_gamma ({self.max_gamma}) must be >= gamma ({self.gamma})")
+        if not (0.0 <= self.draft_confidence < 1.0):
+            raise RapidspecError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise RapidspecError(f"temperature must be >= 0, got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -6,6 +6,7 @@ speculative decoding (modes ``sd``, ``ragsd``, ``rapid``)::
 
     1 prefill   target cache <- target prompt[:-1], drafter cache <- drafter prompt[:-1]
     2 draft     drafter feeds its pending tokens, then drafts k tokens one by one
+                (fewer when a draft's probability is below ``draft_confidence``)
     3 verify    target feeds [pending, x_1..x_k] in ONE forward -> logits z_1..z_{k+1}
     4 accept    keep the longest accepted prefix x_1..x_n, then emit one token from
                 the residual (n < k) or from p^ at position k+1 (bonus, n = k); with
@@ -316,7 +317,7 @@ class Rapid:
     def _speculative_step(self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, k, profile):
         """One draft/verify round; returns (emitted tokens, gamma for the next round)."""
         eta, alpha = config.effective_eta, config.draft_gate
-        greedy = config.greedy
+        greedy, confidence = config.greedy, config.draft_confidence
         target_device = target_cache.device
         drafter_device = drafter_cache.device
 
@@ -333,12 +334,14 @@ class Rapid:
                     if eta > 0:
                         draft_rows.append(self._draft_row(logits, config, target_device))
                     token = int(logits.argmax())
+                    unsure = confidence > 0 and sampling.top_probability(logits) < confidence
                 else:
                     draft_rows.append(self._draft_row(logits, config, target_device))
                     token = int(sampling.sample(draft_rows[-1][None], generator)[0])
+                    unsure = float(draft_rows[-1][token]) < confidence
                 drafts.append(token)
-                if position == k - 1 or self._ends_generation(token, config):
-                    break  # nothing to draft after EOS
+                if position == k - 1 or unsure or self._ends_generation(token, config):
+                    break  # nothing to draft after EOS; an unsure draft likely ends the accepted run
                 logits = self._logits(drafter_cache.forward([token], 1))[0]
         if profile:
             _sync(drafter_device)

@@ -139,6 +139,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def top_probability(logits: torch.Tensor) -> float:
+    """The largest probability of softmax(logits) ([V] -> scalar): exp(max z - logsumexp z)."""
+    logits = logits.float()
+    return float(torch.exp(logits.max() - torch.logsumexp(logits, dim=-1)))
+
+
 def greedy_accepted_length(draft_tokens: torch.Tensor, target_choices: torch.Tensor) -> int:
     """Longest prefix where the drafted token equals the target's choice.
 

@@ -94,7 +94,8 @@ def test_plot_writes_png(report, tmp_path):
 def test_parse_sweep():
     assert speed.parse_sweep("eta=0,1,2.5") == speed.Sweep("eta", (0.0, 1.0, 2.5))
     assert speed.parse_sweep("gamma=2,4") == speed.Sweep("gamma", (2, 4))
-    for bad in ("eta", "eta=", "temperature=1", "gamma=2.5", "gamma=0", "eta=-1", "eta=a"):
+    assert speed.parse_sweep("draft_confidence=0,0.3") == speed.Sweep("draft_confidence", (0.0, 0.3))
+    for bad in ("eta", "eta=", "temperature=1", "gamma=2.5", "gamma=0", "eta=-1", "eta=a", "draft_confidence=1"):
         with pytest.raises(RapidspecError):
             speed.parse_sweep(bad)
 

@@ -135,6 +135,8 @@ def test_middle_truncation_and_refusal(byte_tokenizer):
         ({"mode": "fast"}, "mode"),
         ({"mode": "sd", "eta": 3.0}, "eta"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"draft_confidence": 1.0}, "draft_confidence"),
+        ({"draft_confidence": -0.1}, "draft_confidence"),
     ],
 )
 def test_bad_options_are_clear_errors(options, message):
@@ -165,6 +167,17 @@ def test_heuristic_gamma_schedule_grows_on_full_acceptance(tiny_model, lc_output
     assert out.token_ids == lc_output.token_ids
     # all accepted (same weights, same context): gamma 2 -> 4 -> 6 -> 8
     assert len(out.stats.drafted_per_position) == 8
+
+
+@pytest.mark.parametrize(("confidence", "drafts_per_round"), [(0.999, 1), (1e-6, 4)])
+def test_draft_confidence_stops_a_round_after_an_unsure_draft(tiny_model, lc_output, confidence, drafts_per_round):
+    """The tiny model's top probabilities are far below 0.999 and far above 1e-6."""
+    out = engine(tiny_model).generate(
+        DOCUMENT, QUESTION, mode="sd", gamma=4, draft_confidence=confidence, max_new_tokens=40
+    )
+    assert out.token_ids == lc_output.token_ids
+    assert out.stats.drafted_per_position[0] == out.stats.rounds
+    assert len(out.stats.drafted_per_position) == drafts_per_round
 
 
 def test_rag_mode_reads_only_the_retrieved_text(tiny_model, lc_output):

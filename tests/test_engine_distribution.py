@@ -101,13 +101,17 @@ def expected_joint(eta: float, alpha: float, length: int) -> np.ndarray:
     return joint
 
 
-@pytest.mark.parametrize("mode, eta", [("ragsd", 0.0), ("rapid", 3.0)])
-def test_sampled_sequences_follow_the_target(markov_pair, mode, eta):
+@pytest.mark.parametrize(
+    "mode, eta, confidence", [("ragsd", 0.0, 0.0), ("rapid", 3.0, 0.0), ("ragsd", 0.0, 0.25), ("rapid", 3.0, 0.25)]
+)
+def test_sampled_sequences_follow_the_target(markov_pair, mode, eta, confidence):
     """Invariants 2 and 3: eta = 0 follows p, eta > 0 with the exact residual follows p^.
 
     3000 answers of 3 tokens (drafted 2 at a time, so acceptance, rejection and
-    the bonus token all occur); chi-square over the 64 joint outcomes. With a
-    correct engine the test fails with probability 1e-4.
+    the bonus token all occur); chi-square over the 64 joint outcomes. With
+    ``draft_confidence`` 0.25, rounds also stop after drafts with q < 0.25
+    (about half of them here), which must not change the distribution. With a
+    correct engine each case fails with probability 1e-4.
     """
     target, drafter, states = markov_pair
     rapid = Rapid(target, drafter, retrieval=RETRIEVAL)
@@ -118,7 +122,7 @@ def test_sampled_sequences_follow_the_target(markov_pair, mode, eta):
     for _ in range(n):
         out = rapid.generate(
             DOCUMENT, QUESTION, mode=mode, eta=eta, gamma=2, temperature=1.0, max_new_tokens=3,
-            generator=generator,
+            draft_confidence=confidence, generator=generator,
         )
         counts[tuple(index[t] for t in out.token_ids)] += 1
     expected = expected_joint(eta, 0.1, 3).ravel() * n
@@ -154,6 +158,22 @@ def test_forced_all_accepted_gives_the_bonus_token(byte_tokenizer):
     assert out.text == "abcdefgh"
     # rounds: [a b c] + d bonus, [e f g] + h bonus
     assert out.stats.rounds == 2 and out.stats.accepted_tokens == 6 and out.stats.drafted_tokens == 6
+
+
+def test_forced_draft_confidence_ends_the_round_after_an_unsure_draft(byte_tokenizer):
+    """After b the drafter splits its mass between c and y (top probability about 0.5)."""
+    chain = {"a": "b", "b": "c", "c": "d", "d": "e", "e": "f", "f": "g", "g": "h"}
+    target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
+    b, y = byte_tokenizer.convert_tokens_to_ids(["b", "y"])
+    drafter.model.table[b, y] = -0.01
+    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+        DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=8, draft_confidence=0.6
+    )
+    assert out.text == "abcdefgh"
+    # rounds: [a b c] stops after the unsure c, + d bonus; then [e f g] (3 left to draft) + h bonus.
+    # Without the stop: [a b c d] + e, then [f g] + h, i.e. drafted per position [2, 2, 1, 1].
+    assert out.stats.rounds == 2 and out.stats.accepted_tokens == 6
+    assert out.stats.drafted_per_position == [2, 2, 2]
 
 
 def test_forced_first_rejected_emits_the_target_token(byte_tokenizer):

@@ -112,3 +112,10 @@ def test_greedy_choice_follows_the_shift():
     # rows without a drafter distribution fall back to the target's argmax
     two = torch.tensor([[2.0, 1.9, 0.0], [0.0, 0.0, 3.0]])
     assert sampling.greedy_target_choices(two, draft_logits, 1.0, 0.1).tolist() == [1, 2]
+
+
+def test_top_probability_is_the_softmax_maximum():
+    logits = torch.tensor([2.0, -1.0, 0.5, 2.0, -30.0])
+    assert sampling.top_probability(logits) == pytest.approx(float(logits.softmax(-1).max()), rel=1e-6)
+    assert sampling.top_probability(torch.tensor([0.0, -torch.inf])) == pytest.approx(1.0)
+    assert sampling.top_probability(torch.zeros(4, dtype=torch.bfloat16)) == pytest.approx(0.25)

@@ -37,7 +37,7 @@ def register(subparsers) -> None:
                         help=f"comma-separated, from {','.join(speed.BENCH_MODES)} (default: %(default)s; lc is always run)")
     parser.add_argument("--data", default=None, help="JSON list or JSONL of {document, question} records instead of the demo document")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode and input; medians are reported (default: 3)")
-    parser.add_argument("--sweep", default=None, help="run rapid at each value: eta=0,1,2,5,10 or gamma=2,4,6,8 (replaces --modes)")
+    parser.add_argument("--sweep", default=None, help="run rapid at each value: eta=0,1,2,5,10, gamma=2,4,6,8 or draft_confidence=0,0.2,0.4 (replaces --modes)")
     parser.add_argument("--share-prefill", action="store_true",
                         help="prefill the target once per input and let every run start from a copy "
                              "(each run is credited with that one measured prefill); makes repeats on long inputs cheap")
@@ -112,7 +112,9 @@ def results_table(report: speed.BenchReport) -> Table:
     what = f"rapid, {report.sweep.param} sweep" if report.sweep else "modes"
     table = Table(title=(
         f"rapidspec bench ({what}): {report.model}, drafter {report.drafter}, {report.device} {report.dtype}, "
-        f"gamma {report.gamma}, eta {report.eta:g}, {report.max_new_tokens} new tokens"
+        f"gamma {report.gamma}, eta {report.eta:g}, "
+        f"{f'draft confidence {report.draft_confidence:g}, ' if report.draft_confidence else ''}"
+        f"{report.max_new_tokens} new tokens"
         f"{' (EOS ignored)' if report.ignore_eos else ''}, median of {report.repeats}"
         f"{', target prefill shared' if report.shared_prefill else ''}"
     ))

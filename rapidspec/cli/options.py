@@ -33,6 +33,8 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
     group.add_argument("--gamma", type=int, default=_DEFAULT_DECODE.gamma, help="drafted tokens per round (default: %(default)s)")
     group.add_argument("--gamma-schedule", default=_DEFAULT_DECODE.gamma_schedule, choices=["constant", "heuristic"], help="adapt gamma to acceptance (default: constant)")
     group.add_argument("--max-gamma", type=int, default=_DEFAULT_DECODE.max_gamma, help="largest gamma of the heuristic schedule")
+    group.add_argument("--draft-confidence", type=float, default=_DEFAULT_DECODE.draft_confidence,
+                       help="stop a round's drafting after a draft the drafter gave a probability below this; 0 = off (default: %(default)s)")
     group.add_argument("--temperature", type=float, default=_DEFAULT_DECODE.temperature, help="0 = greedy (default: 0)")
     group.add_argument("--top-k", type=int, default=_DEFAULT_DECODE.top_k, help="top-k filter, 0 = off")
     group.add_argument("--top-p", type=float, default=_DEFAULT_DECODE.top_p, help="nucleus filter in (0, 1]")

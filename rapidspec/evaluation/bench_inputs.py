@@ -21,7 +21,7 @@ HF_ASSISTED = "hf-assisted"
 BENCH_MODES: tuple[str, ...] = (*MODES, HF_ASSISTED)
 DEFAULT_MODES: tuple[str, ...] = ("lc", "sd", "ragsd", "rapid", HF_ASSISTED)
 MIN_LENGTH = 256
-SWEEP_PARAMS = {"eta": float, "gamma": int}
+SWEEP_PARAMS = {"eta": float, "gamma": int, "draft_confidence": float}
 # Characters of the first document used for the warm-up generations.
 WARMUP_CHARS = 1500
 
@@ -85,7 +85,7 @@ def parse_sweep(text: str) -> Sweep:
     name, sep, values = text.partition("=")
     name = name.strip()
     if not sep or name not in SWEEP_PARAMS:
-        raise RapidspecError(f"sweep must look like eta=0,1,2 or gamma=2,4,6; got {text!r}")
+        raise RapidspecError(f"sweep must look like eta=0,1,2, gamma=2,4,6 or draft_confidence=0,0.2,0.4; got {text!r}")
     kind = SWEEP_PARAMS[name]
     try:
         parsed = tuple(kind(v) for v in values.split(",") if v.strip())
@@ -95,6 +95,8 @@ def parse_sweep(text: str) -> Sweep:
         raise RapidspecError(f"sweep {name} has no values")
     if name == "eta" and any(not math.isfinite(v) or v < 0 for v in parsed):
         raise RapidspecError(f"eta values must be finite and >= 0, got {values!r}")
+    if name == "draft_confidence" and any(not 0 <= v < 1 for v in parsed):
+        raise RapidspecError(f"draft_confidence values must be in [0, 1), got {values!r}")
     if name == "gamma" and any(v < 1 for v in parsed):
         raise RapidspecError(f"gamma values must be >= 1, got {values!r}")
     return Sweep(name, parsed)

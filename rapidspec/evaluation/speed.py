@@ -146,6 +146,7 @@ class BenchReport:
     eta: float
     sweep: Sweep | None
     results: list[Result]
+    draft_confidence: float = 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -159,6 +160,7 @@ class BenchReport:
             "shared_prefill": self.shared_prefill,
             "gamma": self.gamma,
             "eta": self.eta,
+            "draft_confidence": self.draft_confidence,
             "sweep": asdict(self.sweep) if self.sweep else None,
             "results": [r.to_dict() for r in self.results],
         }
@@ -415,6 +417,7 @@ def run_benchmark(
         eta=base.with_(mode="rapid").effective_eta,
         sweep=sweep,
         results=results,
+        draft_confidence=base.draft_confidence,
     )
 
 
