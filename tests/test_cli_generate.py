@@ -21,6 +21,7 @@ def document(tmp_path):
     [
         (["--eta", "-1"], "eta"),
         (["--gamma", "0"], "gamma"),
+        (["--draft-confidence", "1.5"], "draft_confidence"),
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
         (["--top-p", "1.5"], "top_p"),

@@ -22,7 +22,7 @@ from rapidspec.evaluation.runner import DEFAULT_MODES, parse_modes, run_eval
 from rapidspec.evaluation.synthetic import TASKS
 
 # Decode options passed through to every generation when not at their defaults.
-_PASSED_THROUGH = ("gamma_schedule", "max_gamma", "top_k", "top_p", "draft_gate", "residual", "stop", "truncate", "ignore_eos")
+_PASSED_THROUGH = ("gamma_schedule", "max_gamma", "draft_confidence", "top_k", "top_p", "draft_gate", "residual", "stop", "truncate", "ignore_eos")
 
 
 def register(subparsers) -> None:
