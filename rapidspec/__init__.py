@@ -23,7 +23,7 @@ _EXPORTS = {
     "PromptTemplate": "rapidspec.prompts",
     "load_model": "rapidspec.models",
     "LoadedModel": "rapidspec.models",
-    "int8_copy": "rapidspec.models",
+    "low_bit_copy": "rapidspec.models",
     "RapidspecError": "rapidspec.errors",
 }
 

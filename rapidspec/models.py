@@ -57,7 +57,7 @@ __all__ = [
     "builtin_entry",
     "cache_root",
     "check_same_vocabulary",
-    "int8_copy",
+    "low_bit_copy",
     "load_model",
     "resolve_device",
     "resolve_dtype",
@@ -386,8 +386,8 @@ def load_model(
     (grouped-query attention without repeating key/value heads, same
     results as ``sdpa``); ``"sdpa"`` or any other transformers
     ``attn_implementation`` name is passed through.
-    ``quantize``: ``"none"`` or ``"int8"`` (int8 weight-only linear layers,
-    :mod:`rapidspec.quantization`; meant for drafters on CPU).
+    ``quantize``: ``"none"``, ``"int8"`` or ``"int4"`` (weight-only linear
+    layers, :mod:`rapidspec.quantization`; meant for drafters on CPU).
     Raises :class:`RapidspecError` for anything the user can fix.
     """
     check_quantization(quantize)
@@ -409,8 +409,8 @@ def load_model(
     else:
         model, tokenizer = _load_pretrained(source, torch_dtype, torch_device, device_map, attention)
 
-    if quantize == "int8":
-        logger.info("int8 weights for %d linear layers of %s", quantize_linears(model), name)
+    if quantize != "none":
+        logger.info("%s weights for %d linear layers of %s", quantize, quantize_linears(model, quantize), name)
     param = next(model.parameters())
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -432,10 +432,13 @@ def load_model(
     )
 
 
-def int8_copy(loaded: LoadedModel, name: str | None = None) -> LoadedModel:
-    """``loaded`` with int8 linear layers, sharing every other tensor with it.
+def low_bit_copy(loaded: LoadedModel, method: str = "int8", name: str | None = None) -> LoadedModel:
+    """``loaded`` with int8 or int4 linear layers, sharing every other tensor with it.
 
-    For an int8 self-drafter next to a float target: only the int8 weights are new.
+    For a low-bit self-drafter next to a float target: only the quantised
+    weights are new. ``loaded`` must not be quantised already.
     """
-    model = quantized_copy(loaded.model)
-    return replace(loaded, name=name or loaded.name, model=model, quantization="int8")
+    if loaded.quantization != "none":
+        raise RapidspecError(f"{loaded.name} already has {loaded.quantization} weights; copy a float model")
+    model = quantized_copy(loaded.model, check_quantization(method))
+    return replace(loaded, name=name or loaded.name, model=model, quantization=method)

@@ -1,23 +1,33 @@
-"""Int8 weight-only linear layers: a cheaper drafter step on CPU.
+"""Weight-only int8 and int4 linear layers: a cheaper drafter step on CPU.
 
 A decode step of a small model on CPU reads every weight once per token, so it
 is bound by memory traffic: for Qwen2.5-0.5B in bfloat16 on 2 cores, the
 matrix products are about 80% of a step and the tied 151,936-token output
-layer alone ~14 ms of ~53 ms. Storing the weights as int8 with one float scale
-per output channel halves those bytes; PyTorch's int8 weight-only kernel
-(``aten::_weight_int8pack_mm``, the one gpt-fast calls on CPU) multiplies
-them without materialising a dequantised copy. Measured here: a 0.5B step
-52.9 -> 25.4 ms, a SmolLM2-135M step 25.2 -> 17.9 ms.
+layer alone ~14 ms of ~53 ms. Fewer bytes per weight make the step cheaper:
+
+* ``int8``: one float scale per output channel (symmetric). PyTorch's int8
+  weight-only kernel (``aten::_weight_int8pack_mm``, the one gpt-fast calls on
+  CPU) multiplies without materialising a dequantised copy. Measured here: a
+  0.5B step 52.9 -> 25.4 ms, a SmolLM2-135M step 25.2 -> 17.9 ms.
+* ``int4``: a scale and a zero point per group of :data:`INT4_GROUP` input
+  columns (asymmetric), multiplied by PyTorch's int4 CPU kernel
+  (``aten::_weight_int4pack_mm_for_cpu``). Half the bytes of int8 again: the
+  linear layers of 24 Qwen2.5-0.5B blocks with cold caches took 8.9 ms
+  instead of 17.1 ms. The kernel wants its own packed layout, so an int4
+  layer also keeps a portable copy of its codes (for prefill chunks and other
+  devices): in memory it costs as much as int8.
 
 With η = 0 the output follows the target exactly whatever the drafter, so
-int8 drafter weights can only change acceptance. With η > 0 the engine
-follows p̂ built from the drafter's distribution q, here the int8 drafter's q.
+low-bit drafter weights can only change acceptance. With η > 0 the engine
+follows p̂ built from the drafter's distribution q, here the quantised
+drafter's q.
 
-Layout: :func:`quantize_weight` is the pure per-channel rounding,
-:class:`Int8Linear` the module, :func:`quantize_linears` replaces a model's
-``nn.Linear`` modules in place, :func:`quantized_copy` quantises a copy that
-shares every other tensor with the original (an int8 self-drafter next to a
-bfloat16 target costs only the int8 weights).
+Layout: :func:`quantize_weight` and :func:`quantize_weight_int4` are the pure
+roundings, :class:`Int8Linear` and :class:`Int4Linear` the modules,
+:func:`quantize_linears` replaces a model's ``nn.Linear`` modules in place,
+:func:`quantized_copy` quantises a copy that shares every other tensor with
+the original (a low-bit self-drafter next to a bfloat16 target costs only the
+quantised weights).
 """
 
 from __future__ import annotations
@@ -31,8 +41,13 @@ from torch import nn
 from rapidspec.errors import RapidspecError
 
 #: Accepted values of ``quantize`` options.
-QUANTIZATIONS = ("none", "int8")
-#: Rows (tokens) up to which the int8 kernel runs; longer inputs (prefill
+QUANTIZATIONS = ("none", "int8", "int4")
+#: int4: input columns sharing one scale and zero point.
+INT4_GROUP = 64
+#: The int4 CPU kernel needs the output width to be a multiple of this; a
+#: layer that does not fit (in or out width) stays int8.
+INT4_OUT_FEATURES_MULTIPLE = 16
+#: Rows (tokens) up to which the int8 and int4 kernels run; longer inputs (prefill
 #: chunks) are compute-bound and go through a dequantised float product (on 2
 #: cores the int8 kernel was faster at 8 rows, the float product at 64).
 KERNEL_MAX_ROWS = 16
@@ -105,29 +120,118 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by an :class:`Int8Linear`, in place.
+def quantize_weight_int4(
+    weight: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise 4-bit rounding of a weight matrix.
 
-    Tied weights (an output layer sharing the input embedding) stay shared in
-    float for the embedding lookup; the output layer gets its own int8 copy.
-    Returns the number of layers replaced.
+    ``weight``: [out, in] float, ``in`` a multiple of ``group``. Returns
+    ``(codes, scales, zeros)``: uint8 codes [out, in] in [0, 15], and scales
+    and zeros [out, in / group] in ``dtype`` with
+    ``weight ~= (codes - 8) * scale + zero`` per group (the CPU kernel's
+    convention). Scales and zeros are rounded to ``dtype`` before the codes
+    are computed from them, so the error per entry is at most scale / 2 in
+    float32, plus the rounding of scale and zero to a narrower ``dtype``.
     """
+    out_features, in_features = weight.shape
+    grouped = weight.detach().float().reshape(out_features, in_features // group, group)  # [out, g, group]
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [out, g]
+    scales = ((high - low) / 15).clamp(min=torch.finfo(dtype).tiny).to(dtype)  # [out, g]
+    zeros = (low + 8 * scales.float()).to(dtype)  # [out, g]
+    codes = torch.round((grouped - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
+    return codes.to(torch.uint8).reshape(out_features, in_features), scales, zeros
+
+
+def int4_fits(linear: nn.Linear) -> bool:
+    """Whether ``linear`` has the widths int4 layers need (else it gets int8)."""
+    return linear.in_features % INT4_GROUP == 0 and linear.out_features % INT4_OUT_FEATURES_MULTIPLE == 0
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` with 4-bit weights, a scale and a zero point per group of input columns.
+
+    Computes ``x @ W.T + bias`` with ``W = (codes - 8) * scale + zero``. Short
+    inputs on CPU use PyTorch's int4 kernel on its packed copy of the codes;
+    long inputs (prefill chunks, where the kernel is slower than a float
+    product) and other devices multiply by the dequantised weights, unpacked
+    from the portable copy (two codes per byte, even column in the low nibble).
+    """
+
+    def __init__(
+        self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: nn.Parameter | None
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes_packed", codes[:, 0::2] | (codes[:, 1::2] << 4))  # [out, in / 2] uint8
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous())  # [g, out, 2]
+        kernel_weight = None
+        if codes.device.type == "cpu":
+            kernel_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        self.register_buffer("kernel_weight", kernel_weight)  # opaque CPU layout, or None
+        self.bias = bias  # [out] or None, shared with the float layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
+        codes, scales, zeros = quantize_weight_int4(linear.weight, linear.weight.dtype)
+        return cls(codes, scales, zeros, linear.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, group={INT4_GROUP}")
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in ``dtype``."""
+        codes = torch.stack([self.codes_packed & 15, self.codes_packed >> 4], dim=-1)  # [out, in / 2, 2]
+        codes = codes.reshape(self.out_features, -1, INT4_GROUP).to(dtype)  # [out, g, group]
+        scales_and_zeros = self.scales_and_zeros.to(dtype).transpose(0, 1)  # [out, g, 2]
+        weight = (codes - 8) * scales_and_zeros[..., :1] + scales_and_zeros[..., 1:]  # [out, g, group]
+        return weight.reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [n, in]
+        if (
+            self.kernel_weight is not None
+            and rows.device.type == "cpu"
+            and rows.shape[0] <= KERNEL_MAX_ROWS
+            and rows.dtype == self.scales_and_zeros.dtype
+        ):
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows.contiguous(), self.kernel_weight, INT4_GROUP, self.scales_and_zeros
+            )  # [n, out]
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(rows, self.dequantized(x.dtype), self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_linears(model: nn.Module, method: str = "int8") -> int:
+    """Replace every ``nn.Linear`` of ``model`` by an int8 or int4 layer, in place.
+
+    ``method``: ``"int8"`` or ``"int4"`` (layers whose widths int4 cannot
+    take get int8). Tied weights (an output layer sharing the input
+    embedding) stay shared in float for the embedding lookup; the output layer
+    gets its own quantised copy. Returns the number of layers replaced.
+    """
+    if method not in QUANTIZATIONS[1:]:
+        raise RapidspecError(f"cannot quantize linear layers with {method!r}; use one of {', '.join(QUANTIZATIONS[1:])}")
     replaced = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, child_name, Int8Linear.from_linear(child))
+                layer = Int4Linear if method == "int4" and int4_fits(child) else Int8Linear
+                setattr(parent, child_name, layer.from_linear(child))
                 replaced += 1
     return replaced
 
 
-def quantized_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with int8 linear layers; every other tensor is shared.
+def quantized_copy(model: nn.Module, method: str = "int8") -> nn.Module:
+    """A copy of ``model`` with int8 or int4 linear layers; every other tensor is shared.
 
     The original is left untouched (its float linear weights are only read).
     """
     shared = {id(tensor): tensor for tensor in (*model.parameters(), *model.buffers())}
     clone = copy.deepcopy(model, memo=shared)
-    quantize_linears(clone)
+    quantize_linears(clone, method)
     return clone
 

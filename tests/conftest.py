@@ -37,13 +37,13 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
 
 
-def make_tiny_model(seed: int = 0, tokenizer=None, max_context: int = 4096) -> LoadedModel:
+def make_tiny_model(seed: int = 0, tokenizer=None, max_context: int = 4096, hidden_size: int = 32) -> LoadedModel:
     tokenizer = tokenizer or build_byte_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rapidspec import Rapid, int8_copy, load_model
+from rapidspec import Rapid, load_model, low_bit_copy
 from rapidspec.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
 
@@ -28,10 +28,11 @@ def test_greedy_rapid_eta_zero_reproduces_lc_exactly(builtin_fp32):
     assert rapid.stats.target_prefill_reused_tokens > 3000
 
 
-def test_int8_self_drafter_keeps_greedy_equality_and_accepts(builtin_fp32):
-    """The int8 kernel path on real weights: exactness holds and drafts stay useful."""
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_low_bit_self_drafter_keeps_greedy_equality_and_accepts(builtin_fp32, method):
+    """The int8 / int4 kernel paths on real weights: exactness holds and drafts stay useful."""
     item = demo_document(target_tokens=4000, tokenizer=builtin_fp32.tokenizer)
-    engine = Rapid(builtin_fp32, int8_copy(builtin_fp32, name="self"), retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(builtin_fp32, low_bit_copy(builtin_fp32, method, name="self"), retrieval=RetrievalConfig(method="bm25"))
     lc = engine.generate(item.document, item.question, mode="lc", max_new_tokens=32)
     ragsd = engine.generate(item.document, item.question, mode="ragsd", gamma=6, max_new_tokens=32)
     assert ragsd.token_ids == lc.token_ids

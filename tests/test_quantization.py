@@ -1,4 +1,4 @@
-"""Int8 weight-only linear layers and int8 drafters."""
+"""Int8 and int4 weight-only linear layers and low-bit drafters."""
 
 from __future__ import annotations
 
@@ -7,18 +7,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidspec import Rapid
+from rapidspec import Rapid, low_bit_copy
 from rapidspec.errors import RapidspecError
-from rapidspec import int8_copy
 from rapidspec.quantization import (
+    INT4_GROUP,
     KERNEL_MAX_ROWS,
+    Int4Linear,
     Int8Linear,
     check_quantization,
     quantize_linears,
     quantize_weight,
+    quantize_weight_int4,
     quantized_copy,
 )
+from tests.conftest import make_tiny_model
 from tests.test_engine import DOCUMENT, QUESTION, engine
+
+
+@pytest.fixture(scope="module")
+def wide_tiny_model(byte_tokenizer):
+    """Hidden size 64: its blocks' layers have widths int4 takes (the 32-wide tiny model's do not)."""
+    return make_tiny_model(0, byte_tokenizer, hidden_size=64)
 
 
 def test_quantize_weight_rounds_each_channel_to_half_a_step():
@@ -88,24 +97,100 @@ def test_quantized_copy_leaves_the_original_alone_and_shares_other_tensors(tiny_
     assert norms and all(a == b for a, b in norms)
 
 
-def test_int8_self_drafter_keeps_greedy_output_equal_to_lc(tiny_model, other_tiny_model):
-    lc = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
-    for drafter in (int8_copy(tiny_model, name="self"), int8_copy(other_tiny_model)):
-        out = engine(tiny_model, drafter).generate(DOCUMENT, QUESTION, mode="ragsd", eta=0.0, gamma=4, max_new_tokens=40)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_low_bit_self_drafter_keeps_greedy_output_equal_to_lc(wide_tiny_model, method):
+    other = make_tiny_model(1, wide_tiny_model.tokenizer, hidden_size=64)
+    lc = engine(wide_tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
+    for drafter in (low_bit_copy(wide_tiny_model, method, name="self"), low_bit_copy(other, method)):
+        if method == "int4":
+            assert any(isinstance(m, Int4Linear) for m in drafter.model.modules())
+        out = engine(wide_tiny_model, drafter).generate(
+            DOCUMENT, QUESTION, mode="ragsd", eta=0.0, gamma=4, max_new_tokens=40
+        )
         assert out.token_ids == lc.token_ids
         assert out.stats.rounds > 0
-    rapid = engine(tiny_model, int8_copy(tiny_model, name="self")).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=20)
+    self_drafter = low_bit_copy(wide_tiny_model, method, name="self")
+    rapid = engine(wide_tiny_model, self_drafter).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=20)
     assert len(rapid.token_ids) > 0
 
 
 def test_labels_and_validation(tiny_model):
     assert tiny_model.label == tiny_model.name
-    assert int8_copy(tiny_model, name="self").label == "self int8"
-    assert check_quantization("int8") == "int8"
-    with pytest.raises(RapidspecError, match="none, int8"):
-        check_quantization("int4")
+    assert low_bit_copy(tiny_model, name="self").label == "self int8"
+    assert low_bit_copy(tiny_model, "int4", name="self").label == "self int4"
+    assert check_quantization("int4") == "int4"
+    with pytest.raises(RapidspecError, match="none, int8, int4"):
+        check_quantization("int3")
+    with pytest.raises(RapidspecError, match="already has int8 weights"):
+        low_bit_copy(low_bit_copy(tiny_model))
+    with pytest.raises(RapidspecError, match="cannot quantize"):
+        quantize_linears(nn.Sequential(nn.Linear(64, 16)), "none")
 
 
-def test_engine_reads_the_vocabulary_of_an_int8_head(tiny_model):
-    rapid = Rapid(tiny_model, int8_copy(tiny_model))
+def test_engine_reads_the_vocabulary_of_a_low_bit_head(tiny_model):
+    rapid = Rapid(tiny_model, low_bit_copy(tiny_model))
     assert rapid.vocab_size == tiny_model.model.config.vocab_size
+
+
+# ------------------------------------------------------------------ int4
+
+
+def test_quantize_weight_int4_rounds_each_group_to_half_a_step():
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(16, 3 * INT4_GROUP, generator=generator) * torch.linspace(0.01, 5.0, 16)[:, None] + 0.3
+    weight[2, :INT4_GROUP] = 0.7  # a constant group must be exact and not divide by zero
+    codes, scales, zeros = quantize_weight_int4(weight, torch.float32)
+    assert codes.dtype == torch.uint8 and codes.shape == weight.shape and scales.shape == zeros.shape == (16, 3)
+    assert int(codes.max()) == 15 and int(codes.min()) == 0  # a group's extremes use the full range
+    grouped = codes.reshape(16, 3, INT4_GROUP).float()
+    restored = ((grouped - 8) * scales[..., None] + zeros[..., None]).reshape(weight.shape)
+    error = (restored - weight).abs().reshape(16, 3, INT4_GROUP)
+    assert bool((error <= scales[..., None] / 2 + 1e-6).all())
+    assert torch.allclose(restored[2, :INT4_GROUP], weight[2, :INT4_GROUP])
+
+
+def test_int4_linear_unpacks_its_codes():
+    linear = nn.Linear(2 * INT4_GROUP, 32)
+    codes, scales, zeros = quantize_weight_int4(linear.weight, torch.float32)
+    layer = Int4Linear.from_linear(linear)
+    expected = ((codes.reshape(32, 2, INT4_GROUP).float() - 8) * scales[..., None] + zeros[..., None]).reshape(32, -1)
+    assert torch.equal(layer.dequantized(torch.float32), expected)
+    assert layer.codes_packed.shape == (32, INT4_GROUP) and layer.kernel_weight is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS + 9])  # int4 kernel, and the dequantised product
+@pytest.mark.parametrize("bias", [True, False])
+def test_int4_linear_equals_the_dequantised_product(dtype, rows, bias):
+    generator = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(2 * INT4_GROUP, 48, bias=bias).to(dtype)
+    quantized = Int4Linear.from_linear(linear)
+    x = torch.randn(2, rows, 2 * INT4_GROUP, generator=generator).to(dtype)  # [batch, rows, in]
+    dequantised = quantized.dequantized(torch.float64)  # [out, in]
+    expected = F.linear(x.double(), dequantised, None if linear.bias is None else linear.bias.double())
+    got = quantized(x)
+    assert got.shape == (2, rows, 48) and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+def test_int4_kernel_and_dequantised_paths_agree_row_by_row():
+    generator = torch.Generator().manual_seed(4)
+    quantized = Int4Linear.from_linear(nn.Linear(2 * INT4_GROUP, 80))
+    x = torch.randn(KERNEL_MAX_ROWS + 4, 2 * INT4_GROUP, generator=generator)  # [rows, in]: dequantised path
+    whole = quantized(x)
+    by_row = torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])  # one row at a time: int4 kernel
+    torch.testing.assert_close(by_row, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_quantize_linears_keeps_int8_where_widths_do_not_fit(wide_tiny_model):
+    ids = list(range(40, 90))
+    clone = quantized_copy(wide_tiny_model.model, "int4")
+    layers = wide_tiny_model.model.config.num_hidden_layers
+    assert sum(isinstance(m, Int4Linear) for m in clone.modules()) == layers * 7  # every block layer
+    vocab = wide_tiny_model.model.config.vocab_size
+    assert isinstance(clone.lm_head, Int4Linear if vocab % 16 == 0 else Int8Linear)
+    assert not any(type(m) is nn.Linear for m in clone.modules())
+    reference, got = _logits(wide_tiny_model.model, ids), _logits(clone, ids)
+    # 4-bit codes of Gaussian weights carry ~9% noise each; a wrong layout would be off by ~100%
+    assert (got - reference).abs().max() < 0.25 * reference.abs().max()

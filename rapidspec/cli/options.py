@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from rapidspec.config import MODES, DecodeConfig
 from rapidspec.quantization import QUANTIZATIONS
@@ -20,9 +20,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype (default: auto)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     group.add_argument("--drafter-device", default=None, help="device of the drafter (default: --device)")
-    group.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="target weights: none or int8 (default: %(default)s)")
+    group.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="target weights: none, int8 or int4 (default: %(default)s)")
     group.add_argument("--drafter-quantize", default="none", choices=QUANTIZATIONS,
-                       help="drafter weights: int8 halves a CPU drafter step; with no --drafter, an int8 copy of the target drafts (default: %(default)s)")
+                       help="drafter weights: int8 or int4 make a CPU drafter step cheaper; with no --drafter, "
+                            "a quantised copy of the target drafts (default: %(default)s)")
 
 
 def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> None:
@@ -75,15 +76,22 @@ def retrieval_config(args: argparse.Namespace) -> RetrievalConfig:
 
 def load_models(args: argparse.Namespace):
     """(target, drafter or None) named by the model options."""
-    from rapidspec.models import int8_copy, load_model
+    from rapidspec.models import load_model, low_bit_copy
 
     target = load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize)
     drafter = None
     if args.drafter is not None:
         drafter = load_model(args.drafter, dtype=args.dtype, device=args.drafter_device or args.device,
                              quantize=args.drafter_quantize)
-    elif args.drafter_quantize == "int8" and args.quantize == "none":
-        drafter = int8_copy(target, name="self")
+    elif args.drafter_quantize not in ("none", args.quantize):
+        # a self-drafter with other weights: a copy of the float target, or the target loaded again
+        if args.quantize == "none":
+            drafter = low_bit_copy(target, args.drafter_quantize, name="self")
+        else:
+            drafter = replace(
+                load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.drafter_quantize),
+                name="self",
+            )
     return target, drafter
 
 
