@@ -120,21 +120,19 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_weight_int4(
-    weight: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_weight_int4(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise 4-bit rounding of a weight matrix.
 
-    ``weight``: [out, in] float, ``in`` a multiple of ``group``. Returns
-    ``(codes, scales, zeros)``: uint8 codes [out, in] in [0, 15], and scales
-    and zeros [out, in / group] in ``dtype`` with
+    ``weight``: [out, in] float, ``in`` a multiple of :data:`INT4_GROUP`.
+    Returns ``(codes, scales, zeros)``: uint8 codes [out, in] in [0, 15], and
+    scales and zeros [out, in / INT4_GROUP] in ``dtype`` with
     ``weight ~= (codes - 8) * scale + zero`` per group (the CPU kernel's
     convention). Scales and zeros are rounded to ``dtype`` before the codes
     are computed from them, so the error per entry is at most scale / 2 in
     float32, plus the rounding of scale and zero to a narrower ``dtype``.
     """
     out_features, in_features = weight.shape
-    grouped = weight.detach().float().reshape(out_features, in_features // group, group)  # [out, g, group]
+    grouped = weight.detach().float().reshape(out_features, -1, INT4_GROUP)  # [out, g, group]
     low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [out, g]
     scales = ((high - low) / 15).clamp(min=torch.finfo(dtype).tiny).to(dtype)  # [out, g]
     zeros = (low + 8 * scales.float()).to(dtype)  # [out, g]

@@ -70,3 +70,39 @@ def test_demo_end_to_end(capsys):
     assert set(result["outputs"]) == {"lc", "rapid"}
     assert result["decode_speedup"] > 0 and result["end_to_end_speedup"] > 0
     assert result["outputs"]["rapid"]["stats"]["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("target_quantize", "drafter_quantize", "expected"),
+    [
+        ("none", "none", None),  # the target's own weights draft
+        ("none", "int4", "copy int4"),  # a quantised copy of the float target
+        ("int8", "none", None),  # the int8 target drafts itself
+        ("int8", "int8", None),
+        ("int8", "int4", "load int4"),  # the float weights are gone: the target is loaded again
+    ],
+)
+def test_self_drafter_follows_drafter_quantize(monkeypatch, tiny_model, target_quantize, drafter_quantize, expected):
+    import argparse
+    from dataclasses import replace
+
+    import rapidspec.models as models
+    from rapidspec.cli.options import load_models
+
+    loads = []
+
+    def fake_load(name, dtype="auto", device="auto", quantize="none"):
+        loads.append(quantize)
+        return replace(tiny_model, quantization=quantize)
+
+    monkeypatch.setattr(models, "load_model", fake_load)
+    args = argparse.Namespace(target="builtin", drafter=None, dtype="auto", device="auto", drafter_device=None,
+                              quantize=target_quantize, drafter_quantize=drafter_quantize)
+    target, drafter = load_models(args)
+    assert target.quantization == target_quantize
+    if expected is None:
+        assert drafter is None and loads == [target_quantize]
+    else:
+        how, method = expected.split()
+        assert drafter.name == "self" and drafter.quantization == method
+        assert loads == ([target_quantize] if how == "copy" else [target_quantize, method])
