@@ -100,6 +100,10 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in ``dtype``."""
+        return self.weight_int8.to(dtype) * self.scales.to(dtype)[:, None]
+
     def _use_kernel(self, rows: torch.Tensor) -> bool:
         return (
             rows.device.type == "cpu"
@@ -115,8 +119,7 @@ class Int8Linear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         else:
-            weight = self.weight_int8.to(x.dtype) * self.scales.to(x.dtype)[:, None]  # [out, in]
-            out = F.linear(rows, weight, self.bias)
+            out = F.linear(rows, self.dequantized(x.dtype), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -42,16 +42,20 @@ def test_quantize_weight_rounds_each_channel_to_half_a_step():
     assert bool((weight_int8[3] == 0).all())
 
 
+# (layer, input width): the int8 kernel width, a width that takes int8's dequantised path, int4
+LAYERS = [(Int8Linear, 64), (Int8Linear, 40), (Int4Linear, 2 * INT4_GROUP)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_features", [64, 40])  # a kernel width and one that takes the dequantised path
-@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS + 9])  # int8 kernel, and the dequantised product
+@pytest.mark.parametrize(("layer", "in_features"), LAYERS)
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS + 9])  # the kernels, and the dequantised product
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_linear_equals_the_dequantised_product(dtype, in_features, rows, bias):
+def test_low_bit_linear_equals_the_dequantised_product(dtype, layer, in_features, rows, bias):
     generator = torch.Generator().manual_seed(rows + in_features)
     linear = nn.Linear(in_features, 48, bias=bias).to(dtype)
-    quantized = Int8Linear.from_linear(linear)
+    quantized = layer.from_linear(linear)
     x = torch.randn(2, rows, in_features, generator=generator).to(dtype)  # [batch, rows, in]
-    dequantised = quantized.weight_int8.double() * quantized.scales.double()[:, None]  # [out, in]
+    dequantised = quantized.dequantized(torch.float64)  # [out, in]
     expected = F.linear(x.double(), dequantised, None if linear.bias is None else linear.bias.double())
     got = quantized(x)
     assert got.shape == (2, rows, 48) and got.dtype == dtype
@@ -59,12 +63,13 @@ def test_int8_linear_equals_the_dequantised_product(dtype, in_features, rows, bi
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
-def test_kernel_and_dequantised_paths_agree_row_by_row():
+@pytest.mark.parametrize("layer", [Int8Linear, Int4Linear])
+def test_kernel_and_dequantised_paths_agree_row_by_row(layer):
     generator = torch.Generator().manual_seed(3)
-    quantized = Int8Linear.from_linear(nn.Linear(96, 80))
-    x = torch.randn(KERNEL_MAX_ROWS + 4, 96, generator=generator)  # [rows, in]: dequantised path
+    quantized = layer.from_linear(nn.Linear(2 * INT4_GROUP, 80))
+    x = torch.randn(KERNEL_MAX_ROWS + 4, 2 * INT4_GROUP, generator=generator)  # [rows, in]: dequantised path
     whole = quantized(x)
-    by_row = torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])  # one row at a time: int8 kernel
+    by_row = torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])  # one row at a time: the kernel
     torch.testing.assert_close(by_row, whole, rtol=1e-5, atol=1e-5)
 
 
@@ -156,31 +161,6 @@ def test_int4_linear_unpacks_its_codes():
     expected = ((codes.reshape(32, 2, INT4_GROUP).float() - 8) * scales[..., None] + zeros[..., None]).reshape(32, -1)
     assert torch.equal(layer.dequantized(torch.float32), expected)
     assert layer.codes_packed.shape == (32, INT4_GROUP) and layer.kernel_weight is not None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS + 9])  # int4 kernel, and the dequantised product
-@pytest.mark.parametrize("bias", [True, False])
-def test_int4_linear_equals_the_dequantised_product(dtype, rows, bias):
-    generator = torch.Generator().manual_seed(rows)
-    linear = nn.Linear(2 * INT4_GROUP, 48, bias=bias).to(dtype)
-    quantized = Int4Linear.from_linear(linear)
-    x = torch.randn(2, rows, 2 * INT4_GROUP, generator=generator).to(dtype)  # [batch, rows, in]
-    dequantised = quantized.dequantized(torch.float64)  # [out, in]
-    expected = F.linear(x.double(), dequantised, None if linear.bias is None else linear.bias.double())
-    got = quantized(x)
-    assert got.shape == (2, rows, 48) and got.dtype == dtype
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
-
-
-def test_int4_kernel_and_dequantised_paths_agree_row_by_row():
-    generator = torch.Generator().manual_seed(4)
-    quantized = Int4Linear.from_linear(nn.Linear(2 * INT4_GROUP, 80))
-    x = torch.randn(KERNEL_MAX_ROWS + 4, 2 * INT4_GROUP, generator=generator)  # [rows, in]: dequantised path
-    whole = quantized(x)
-    by_row = torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])  # one row at a time: int4 kernel
-    torch.testing.assert_close(by_row, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_int4_quantize_linears_keeps_int8_where_widths_do_not_fit(wide_tiny_model):
