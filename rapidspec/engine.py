@@ -338,7 +338,7 @@ class Rapid:
                 else:
                     draft_rows.append(self._draft_row(logits, config, target_device))
                     token = int(sampling.sample(draft_rows[-1][None], generator)[0])
-                    unsure = float(draft_rows[-1][token]) < confidence
+                    unsure = confidence > 0 and float(draft_rows[-1][token]) < confidence
                 drafts.append(token)
                 if position == k - 1 or unsure or self._ends_generation(token, config):
                     break  # nothing to draft after EOS; an unsure draft likely ends the accepted run
