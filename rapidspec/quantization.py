@@ -76,13 +76,48 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weight_int8, scales
 
 
-class Int8Linear(nn.Module):
-    """``nn.Linear`` with int8 weights and one scale per output channel.
+class _LowBitLinear(nn.Module):
+    """What the int8 and int4 layers share: ``x @ W.T + bias`` for ``x`` [..., in_features].
 
-    Computes ``x @ (weight_int8 * scales[:, None]).T + bias`` for ``x`` of
-    shape [..., in_features]. Short inputs on CPU use PyTorch's int8
-    weight-only kernel; anything else (long inputs, other devices) multiplies
-    by the dequantised weights, so the module is correct on every device.
+    Short inputs on CPU go through the layer's kernel when it takes them;
+    anything else (long inputs, other devices) multiplies by the dequantised
+    weights, so the layers are correct on every device.
+    """
+
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None  # [out] or None, shared with the float layer
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in ``dtype``."""
+        raise NotImplementedError
+
+    def _kernel_takes(self, rows: torch.Tensor) -> bool:
+        """Whether the CPU kernel can multiply ``rows`` [n, in] (n <= KERNEL_MAX_ROWS, on CPU)."""
+        raise NotImplementedError
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows @ W.T`` by the CPU kernel ([n, in] contiguous -> [n, out])."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [n, in]
+        if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_MAX_ROWS and self._kernel_takes(rows):
+            out = self._kernel(rows.contiguous())  # [n, out]
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(rows, self.dequantized(x.dtype), self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(_LowBitLinear):
+    """``nn.Linear`` with int8 weights and one scale per output channel: ``W = weight_int8 * scales[:, None]``.
+
+    The kernel is PyTorch's int8 weight-only product.
     """
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: nn.Parameter | None) -> None:
@@ -90,37 +125,21 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight_int8.shape
         self.register_buffer("weight_int8", weight_int8)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out], the activation dtype
-        self.bias = bias  # [out] or None, shared with the float layer
+        self.bias = bias
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         weight_int8, scales = quantize_weight(linear.weight)
         return cls(weight_int8, scales.to(linear.weight.dtype), linear.bias)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [out, in] in ``dtype``."""
         return self.weight_int8.to(dtype) * self.scales.to(dtype)[:, None]
 
-    def _use_kernel(self, rows: torch.Tensor) -> bool:
-        return (
-            rows.device.type == "cpu"
-            and rows.shape[0] <= KERNEL_MAX_ROWS
-            and rows.dtype == self.scales.dtype
-            and self.in_features % KERNEL_IN_FEATURES_MULTIPLE == 0
-        )
+    def _kernel_takes(self, rows: torch.Tensor) -> bool:
+        return rows.dtype == self.scales.dtype and self.in_features % KERNEL_IN_FEATURES_MULTIPLE == 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [n, in]
-        if self._use_kernel(rows):
-            out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight_int8, self.scales)  # [n, out]
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            out = F.linear(rows, self.dequantized(x.dtype), self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
 
 
 def quantize_weight_int4(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,14 +167,14 @@ def int4_fits(linear: nn.Linear) -> bool:
     return linear.in_features % INT4_GROUP == 0 and linear.out_features % INT4_OUT_FEATURES_MULTIPLE == 0
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_LowBitLinear):
     """``nn.Linear`` with 4-bit weights, a scale and a zero point per group of input columns.
 
-    Computes ``x @ W.T + bias`` with ``W = (codes - 8) * scale + zero``. Short
-    inputs on CPU use PyTorch's int4 kernel on its packed copy of the codes;
-    long inputs (prefill chunks, where the kernel is slower than a float
-    product) and other devices multiply by the dequantised weights, unpacked
-    from the portable copy (two codes per byte, even column in the low nibble).
+    ``W = (codes - 8) * scale + zero``. The kernel is PyTorch's int4 CPU
+    product on its own packed copy of the codes; the dequantised weights are
+    unpacked from the portable copy (two codes per byte, even column in the
+    low nibble). Long inputs (prefill chunks) take the dequantised product:
+    there the kernel is slower than a float product.
     """
 
     def __init__(
@@ -169,7 +188,7 @@ class Int4Linear(nn.Module):
         if codes.device.type == "cpu":
             kernel_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         self.register_buffer("kernel_weight", kernel_weight)  # opaque CPU layout, or None
-        self.bias = bias  # [out] or None, shared with the float layer
+        self.bias = bias
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
@@ -177,33 +196,20 @@ class Int4Linear(nn.Module):
         return cls(codes, scales, zeros, linear.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, group={INT4_GROUP}")
+        return f"{super().extra_repr()}, group={INT4_GROUP}"
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [out, in] in ``dtype``."""
         codes = torch.stack([self.codes_packed & 15, self.codes_packed >> 4], dim=-1)  # [out, in / 2, 2]
         codes = codes.reshape(self.out_features, -1, INT4_GROUP).to(dtype)  # [out, g, group]
         scales_and_zeros = self.scales_and_zeros.to(dtype).transpose(0, 1)  # [out, g, 2]
         weight = (codes - 8) * scales_and_zeros[..., :1] + scales_and_zeros[..., 1:]  # [out, g, group]
         return weight.reshape(self.out_features, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [n, in]
-        if (
-            self.kernel_weight is not None
-            and rows.device.type == "cpu"
-            and rows.shape[0] <= KERNEL_MAX_ROWS
-            and rows.dtype == self.scales_and_zeros.dtype
-        ):
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows.contiguous(), self.kernel_weight, INT4_GROUP, self.scales_and_zeros
-            )  # [n, out]
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            out = F.linear(rows, self.dequantized(x.dtype), self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def _kernel_takes(self, rows: torch.Tensor) -> bool:
+        return self.kernel_weight is not None and rows.dtype == self.scales_and_zeros.dtype
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.kernel_weight, INT4_GROUP, self.scales_and_zeros)
 
 
 def quantize_linears(model: nn.Module, method: str = "int8") -> int:
