@@ -41,6 +41,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.prompts import PromptTemplate, fit_document, prompt_ids
 from rapidspec.stats import GenerationStats
 from rapidspec.text_stream import TextAssembler
+from rapidspec.vocabulary import check_same_vocabulary, eos_token_ids, logit_width
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,6 @@ class Rapid:
         prefill_chunk_tokens: int = 2048,
         reuse_document_cache: bool = True,
     ) -> None:
-        from rapidspec.models import check_same_vocabulary
         from rapidspec.retrieval import RetrievalConfig, Retriever
 
         self.target = target
@@ -113,9 +113,9 @@ class Rapid:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reuse_document_cache = reuse_document_cache
         self._document_cache: KVCache | None = None
-        self.eos_token_ids = _eos_token_ids(target)
+        self.eos_token_ids = eos_token_ids(target)
         # Logits beyond the smaller vocabulary (embedding padding) are never real tokens.
-        self.vocab_size = min(_logit_width(target.model), _logit_width(self.drafter.model))
+        self.vocab_size = min(logit_width(target.model), logit_width(self.drafter.model))
 
     # ------------------------------------------------------------------ API
     def generate(self, document: str, question: str, **options) -> GenerationOutput:
@@ -431,21 +431,3 @@ class Rapid:
             _sync(drafter_cache.device)
         return row, time.perf_counter() - started
 
-
-def _logit_width(model) -> int:
-    head = model.get_output_embeddings()  # nn.Linear or rapidspec.quantization.Int8Linear
-    return int(getattr(head, "out_features", None) or head.weight.shape[0])
-
-
-def _eos_token_ids(loaded) -> frozenset[int]:
-    """EOS ids from the generation config and the tokenizer."""
-    ids: set[int] = set()
-    generation_config = getattr(loaded.model, "generation_config", None)
-    eos = getattr(generation_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(int(t) for t in eos)
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
-    return frozenset(ids)

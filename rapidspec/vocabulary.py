@@ -1,4 +1,4 @@
-"""Vocabulary compatibility of a target and a drafter (same token -> same id)."""
+"""Vocabularies: compatibility of a target and a drafter (same token -> same id), a model's logit width and EOS ids."""
 
 from __future__ import annotations
 
@@ -37,3 +37,23 @@ def _vocab(tokenizer_or_model: Any) -> dict[str, int]:
     # a LoadedModel carries its tokenizer; a tokenizer has no `.tokenizer`
     tokenizer = getattr(tokenizer_or_model, "tokenizer", tokenizer_or_model)
     return dict(tokenizer.get_vocab())
+
+
+def logit_width(model: Any) -> int:
+    """Number of logits per position of a transformers model (its output layer's width, padding included)."""
+    head = model.get_output_embeddings()  # nn.Linear or a rapidspec.quantization low-bit layer
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
+
+
+def eos_token_ids(loaded: Any) -> frozenset[int]:
+    """EOS ids of a :class:`LoadedModel`, from its generation config and its tokenizer."""
+    ids: set[int] = set()
+    generation_config = getattr(loaded.model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(t) for t in eos)
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    return frozenset(ids)
