@@ -16,8 +16,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Rapid": "rapidspec.engine",
-    "GenerationOutput": "rapidspec.engine",
-    "StreamChunk": "rapidspec.engine",
+    "GenerationOutput": "rapidspec.outputs",
+    "StreamChunk": "rapidspec.outputs",
+    "PrefixCache": "rapidspec.prefix_cache",
     "DecodeConfig": "rapidspec.config",
     "GenerationStats": "rapidspec.stats",
     "PromptTemplate": "rapidspec.prompts",

@@ -175,13 +175,14 @@ class KVCache:
         return twin
 
     def memory_bytes(self) -> int:
-        """Bytes held by the key/value tensors."""
-        total = 0
+        """Bytes allocated for the key/value tensors (reserved room included)."""
+        storages = {}
         for layer in getattr(self._cache, "layers", []):
             for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(tensor, torch.Tensor):
-                    total += tensor.numel() * tensor.element_size()
-        return total
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

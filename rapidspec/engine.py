@@ -1,8 +1,11 @@
 """The RAPID engine: one generator that drafts, verifies and streams tokens.
 
-:meth:`Rapid.stream` is the only decode loop of the project; ``generate``, the
-CLI, the server, evaluation and benchmarks all consume it. One round of
-speculative decoding (modes ``sd``, ``ragsd``, ``rapid``)::
+:meth:`Rapid.decode` is the only decode loop of the project; ``stream`` (a
+document and a question), ``stream_chat`` (a conversation), the CLI, the
+server, evaluation and benchmarks all consume it. Prompts come from
+:mod:`rapidspec.prompts` and :mod:`rapidspec.conversation`; target caches are
+reused through :mod:`rapidspec.prefix_cache`. One round of speculative
+decoding (modes ``sd``, ``ragsd``, ``rapid``)::
 
     1 prefill   target cache <- target prompt[:-1], drafter cache <- drafter prompt[:-1]
     2 draft     drafter feeds its pending tokens, then drafts k tokens one by one
@@ -14,8 +17,7 @@ speculative decoding (modes ``sd``, ``ragsd``, ``rapid``)::
     5 roll back both caches to the committed tokens (minus the pending last one)
 
 The math of step 4 lives in :mod:`rapidspec.sampling`; the caches in
-:mod:`rapidspec.cache`. Modes ``lc`` and ``rag`` run the plain loop: feed the
-pending token, pick the next one.
+:mod:`rapidspec.cache`. Modes ``lc`` and ``rag`` run the plain loop.
 """
 
 from __future__ import annotations
@@ -24,57 +26,30 @@ import logging
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from rapidspec import sampling
-from rapidspec.cache import KVCache, common_prefix_length
-from rapidspec.config import (
-    DRAFTER_READS_RETRIEVED,
-    TARGET_READS_RETRIEVED,
-    USES_DRAFTER,
-    USES_RETRIEVAL,
-    DecodeConfig,
-)
+from rapidspec.cache import KVCache
+from rapidspec.config import DecodeConfig
+from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
 from rapidspec.errors import RapidspecError
-from rapidspec.prompts import PromptTemplate, fit_document, prompt_ids
+from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
+from rapidspec.prefix_cache import GIB, PrefixCache
+from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts
 from rapidspec.stats import GenerationStats
 from rapidspec.text_stream import TextAssembler
 from rapidspec.vocabulary import check_same_vocabulary, eos_token_ids, logit_width
 
 logger = logging.getLogger(__name__)
 
-# Reuse a cached document prefix only when it saves at least this many tokens.
+# Reuse a stored target cache only when it saves at least this many tokens.
 MIN_REUSED_PREFIX_TOKENS = 64
+DEFAULT_PREFIX_CACHE_GIB = 2.0
 
 
-@dataclass(frozen=True)
-class GenerationOutput:
-    """The answer of one generation with everything measured about it."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    stats: GenerationStats
-    config: DecodeConfig
-    retrieval: object | None = None  # rapidspec.retrieval.RetrievalResult for retrieving modes
-
-    def to_dict(self) -> dict:
-        return {
-            "text": self.text,
-            "mode": self.config.mode,
-            "stats": self.stats.to_dict(),
-            "retrieval": self.retrieval.to_dict() if self.retrieval is not None else None,
-        }
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    """New text and tokens of one step; the last chunk carries the full output."""
-
-    text: str
-    token_ids: tuple[int, ...] = ()
-    output: GenerationOutput | None = field(default=None, repr=False)
+def _config(config: DecodeConfig | None, options: dict) -> DecodeConfig:
+    return config.with_(**options) if config is not None else DecodeConfig(**options)
 
 
 def _sync(device: torch.device) -> None:
@@ -100,6 +75,7 @@ class Rapid:
         template: PromptTemplate | None = None,
         prefill_chunk_tokens: int = 2048,
         reuse_document_cache: bool = True,
+        prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB,
     ) -> None:
         from rapidspec.retrieval import RetrievalConfig, Retriever
 
@@ -112,7 +88,7 @@ class Rapid:
         self.retriever = Retriever(retrieval or RetrievalConfig(), tokenizer=self.tokenizer)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reuse_document_cache = reuse_document_cache
-        self._document_cache: KVCache | None = None
+        self.prefix_cache = PrefixCache(int(prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
         self.eos_token_ids = eos_token_ids(target)
         # Logits beyond the smaller vocabulary (embedding padding) are never real tokens.
         self.vocab_size = min(logit_width(target.model), logit_width(self.drafter.model))
@@ -120,11 +96,11 @@ class Rapid:
     # ------------------------------------------------------------------ API
     def generate(self, document: str, question: str, **options) -> GenerationOutput:
         """Generate an answer; same options as :meth:`stream`."""
-        output = None
-        for chunk in self.stream(document, question, **options):
-            output = chunk.output or output
-        assert output is not None
-        return output
+        return last_output(self.stream(document, question, **options))
+
+    def chat(self, messages, **options) -> GenerationOutput:
+        """Answer the last user message of a conversation; same options as :meth:`stream_chat`."""
+        return last_output(self.stream_chat(messages, **options))
 
     def stream(
         self,
@@ -138,65 +114,96 @@ class Rapid:
         observer=None,
         **options,
     ) -> Iterator[StreamChunk]:
-        """Yield the answer as it is generated.
+        """Yield the answer to ``question`` about ``document`` as it is generated.
 
-        ``options`` are :class:`DecodeConfig` fields (``mode``, ``eta``,
-        ``gamma``, ``temperature``, ...), or pass a ready ``config``. ``query``
-        is what retrieval searches for (default: the question). ``generator``
-        overrides the seeded one for sampling. ``profile`` synchronises the
-        device around each phase so that the per-phase times are exact on GPUs.
-        ``observer(target_cache, target_seq, drafter_cache, drafter_seq)`` is
-        called after every round's rollback (for tests and tools; read only).
+        ``options`` are :class:`DecodeConfig` fields (``mode``, ``eta``, ...) or
+        pass a ready ``config``; ``query`` is what retrieval searches for
+        (default: the question); the rest as in :meth:`decode`.
         """
-        config = config.with_(**options) if config is not None else DecodeConfig(**options)
-        if not document or not document.strip():
-            raise RapidspecError("the document is empty")
-        if not question or not question.strip():
-            raise RapidspecError("the question is empty")
+        config = _config(config, options)
+        prompts = self.document_prompts(document, question, config, query=query)
+        yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer)
+
+    def stream_chat(
+        self,
+        messages,
+        *,
+        documents=None,
+        query: str | None = None,
+        recent_messages: int = DEFAULT_RECENT_MESSAGES,
+        config: DecodeConfig | None = None,
+        generator: torch.Generator | None = None,
+        profile: bool = False,
+        observer=None,
+        **options,
+    ) -> Iterator[StreamChunk]:
+        """Yield the answer to the last user message of ``messages`` (OpenAI-style dicts).
+
+        ``documents``: texts or ``{"title", "text"}``; without them the earlier
+        turns are the drafter's corpus (:mod:`rapidspec.conversation`).
+        """
+        config = _config(config, options)
+        prompts = self.chat_prompts(messages, config, documents=documents, query=query, recent_messages=recent_messages)
+        yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer)
+
+    def document_prompts(self, document: str, question: str, config: DecodeConfig, query: str | None = None) -> PromptPair:
+        """The target's and drafter's prompts of a (document, question) pair."""
+        target_window, drafter_window = self._windows(config)
+        return document_prompts(
+            self.tokenizer, self.template, self.retriever, document, question, config, target_window, drafter_window,
+            query=query,
+        )
+
+    def chat_prompts(
+        self, messages, config: DecodeConfig, *, documents=None, query: str | None = None,
+        recent_messages: int = DEFAULT_RECENT_MESSAGES, raw: bool = False,
+    ) -> PromptPair:
+        """The target's and drafter's prompts of a conversation; ``raw`` skips the chat template."""
+        target_window, drafter_window = self._windows(config)
+        return chat_prompts(
+            self.tokenizer, self.retriever, parse_messages(messages), parse_documents(documents), mode=config.mode,
+            target_window=target_window, drafter_window=drafter_window, truncate=config.truncate, query=query,
+            recent_messages=recent_messages, raw=raw,
+        )
+
+    def decode(
+        self,
+        prompts: PromptPair,
+        config: DecodeConfig,
+        *,
+        generator: torch.Generator | None = None,
+        profile: bool = False,
+        observer=None,
+    ) -> Iterator[StreamChunk]:
+        """Prefill and decode ``prompts`` (from :meth:`document_prompts` or :meth:`chat_prompts`).
+
+        ``generator`` overrides the seeded one for sampling; ``profile`` syncs
+        the device around each phase (exact times on GPUs); ``observer(target_cache,
+        target_seq, drafter_cache, drafter_seq)`` is called after every round's
+        rollback (read only). Closing the iterator stops after the current round.
+        """
         stats = GenerationStats(mode=config.mode, eta=config.effective_eta, gamma=config.gamma)
         target_device = self.target.model.device
         if generator is None:
             generator = torch.Generator(device=target_device)
             generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
+        if (found := prompts.retrieval) is not None:
+            stats.retrieval_seconds, stats.retrieved_tokens, stats.retrieved_chunks = found.seconds, found.num_tokens, len(found.chunks)
+        stats.document_tokens_truncated = prompts.truncated_tokens
 
         with torch.inference_mode():
-            # 0 retrieval
-            retrieval = None
-            if config.mode in USES_RETRIEVAL:
-                started = time.perf_counter()
-                retrieval = self.retriever.retrieve(document, query or question)
-                stats.retrieval_seconds = time.perf_counter() - started
-                stats.retrieved_tokens = retrieval.num_tokens
-                stats.retrieved_chunks = len(retrieval.chunks)
-
             # 1 prefill
-            window = self.target.max_context - config.max_new_tokens
-            if window < 16:
-                raise RapidspecError(
-                    f"max_new_tokens={config.max_new_tokens} leaves no room in the "
-                    f"{self.target.max_context}-token window"
-                )
-            target_reads_retrieved = config.mode in TARGET_READS_RETRIEVED
-            target_doc = retrieval.text if target_reads_retrieved else document
-            target_doc, stats.document_tokens_truncated = fit_document(
-                self.tokenizer, self.template, target_doc, question, window, config.truncate
-            )
-            target_seq = prompt_ids(self.tokenizer, self.template, target_doc, question, target_reads_retrieved)
+            target_seq = list(prompts.target_ids)
             stats.prompt_tokens_target = len(target_seq)
             started = time.perf_counter()
-            target_cache = self._prefill_target(target_seq, stats, use_store=not target_reads_retrieved)
+            use_store = self.reuse_document_cache and not prompts.target_reads_retrieved
+            target_cache = self._prefill_target(target_seq, stats, use_store)
             _sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
 
             drafter_cache = drafter_seq = None
-            if config.mode in USES_DRAFTER:
-                drafter_reads_retrieved = config.mode in DRAFTER_READS_RETRIEVED
-                drafter_doc = retrieval.text if drafter_reads_retrieved else target_doc
-                drafter_window = self.drafter.max_context - config.max_new_tokens
-                drafter_doc, _ = fit_document(
-                    self.tokenizer, self.template, drafter_doc, question, drafter_window, config.truncate
-                )
-                drafter_seq = prompt_ids(self.tokenizer, self.template, drafter_doc, question, drafter_reads_retrieved)
+            if prompts.drafter_ids is not None:
+                drafter_seq = list(prompts.drafter_ids)
                 stats.prompt_tokens_drafter = len(drafter_seq)
                 started = time.perf_counter()
                 drafter_cache = KVCache(self.drafter.model, self.prefill_chunk_tokens)
@@ -205,36 +212,45 @@ class Rapid:
                 stats.drafter_prefill_seconds = time.perf_counter() - started
 
             # 2-5 decode
-            yield from self._decode(
-                config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, retrieval, profile,
-                observer,
-            )
+            # (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
+            try:
+                yield from self._decode(
+                    config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, prompts, profile,
+                    observer,
+                )
+            except GeneratorExit:
+                if use_store:
+                    self.prefix_cache.store(target_cache)
+                raise
+            if use_store:
+                self.prefix_cache.store(target_cache)  # the cache is the store's from now on
 
     def clear_document_cache(self) -> None:
-        """Forget the stored target cache of the last document (the next prefill starts from scratch)."""
-        self._document_cache = None
+        """Forget every stored target cache (the next prefill starts from scratch)."""
+        self.prefix_cache.clear()
 
     # ------------------------------------------------------------ internals
+    def _windows(self, config: DecodeConfig) -> tuple[int, int]:
+        """Prompt tokens that fit the target's and the drafter's windows with the answer."""
+        target_window = self.target.max_context - config.max_new_tokens
+        if target_window < 16:
+            raise RapidspecError(f"max_new_tokens={config.max_new_tokens} leaves no room for the prompt in the "
+                                 f"{self.target.max_context}-token window", param="max_tokens", code="context_length_exceeded")
+        return target_window, max(16, self.drafter.max_context - config.max_new_tokens)
+
     def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool) -> KVCache:
-        """Prefill the target on ``token_ids[:-1]``, reusing the last document's cache when it shares a prefix."""
+        """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix."""
         wanted = token_ids[:-1]
         cache = None
-        stored = self._document_cache if (use_store and self.reuse_document_cache) else None
-        if stored is not None:
-            shared = common_prefix_length(stored.token_ids, wanted)
-            if shared >= MIN_REUSED_PREFIX_TOKENS:
-                cache = stored.clone()
-                cache.crop(shared)
-                stats.target_prefill_reused_tokens = shared
+        if use_store:
+            cache, stats.target_prefill_reused_tokens = self.prefix_cache.lookup(wanted)
         if cache is None:
             cache = KVCache(self.target.model, self.prefill_chunk_tokens)
         cache.prefill(wanted[cache.length :])
-        if use_store and self.reuse_document_cache:
-            self._document_cache = cache.clone()
         return cache
 
     def _decode(
-        self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, retrieval, profile, observer
+        self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, prompts, profile, observer
     ):
         prompt_length = len(target_seq)
         drafter_prompt_length = len(drafter_seq) if drafter_seq is not None else 0
@@ -281,7 +297,7 @@ class Rapid:
         generated = tuple(target_seq[prompt_length:])
         if drafter_seq is not None:
             assert tuple(drafter_seq[drafter_prompt_length:]) == generated
-        output = GenerationOutput(assembler.text, generated, stats, config, retrieval)
+        output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns)
         yield StreamChunk(text="", token_ids=(), output=output)
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from rapidspec.errors import RapidspecError
+from rapidspec.config import DRAFTER_READS_RETRIEVED, TARGET_READS_RETRIEVED, USES_DRAFTER, USES_RETRIEVAL, DecodeConfig
+from rapidspec.errors import ContextLengthError, RapidspecError
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,24 @@ DEFAULT_BODY = (
     "<text>\n{document}\n</text>\n\n"
     "Question: {question}"
 )
+
+
+@dataclass(frozen=True)
+class PromptPair:
+    """What the target and the drafter read, ready to decode.
+
+    Both token sequences end where the answer starts, at the same text, so
+    that their continuations align token for token. ``drafter_ids`` is None
+    for modes without a drafter. ``retrieved_turns`` lists the indices of the
+    chat messages retrieval picked (conversation mode only).
+    """
+
+    target_ids: tuple[int, ...]
+    drafter_ids: tuple[int, ...] | None = None
+    retrieval: object | None = None  # rapidspec.retrieval.RetrievalResult
+    truncated_tokens: int = 0
+    target_reads_retrieved: bool = False
+    retrieved_turns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,14 +112,16 @@ def fit_document(
     if len(doc_ids) + margin <= budget:
         return document, 0
     if truncate == "error":
-        raise RapidspecError(
+        raise ContextLengthError(
             f"the document has {len(doc_ids)} tokens but only {budget} fit the model's window "
-            f"with the question and the answer; use truncate='middle' to cut its middle"
+            f"with the question and the answer; use truncate='middle' to cut its middle",
+            param="document",
         )
     keep = budget - margin
     if keep < 2:
-        raise RapidspecError(
-            f"the question and answer alone need {overhead} of {max_prompt_tokens} tokens of the window"
+        raise ContextLengthError(
+            f"the question and answer alone need {overhead} of {max_prompt_tokens} tokens of the window",
+            param="question",
         )
     head = keep // 2
     tail = keep - head
@@ -112,3 +133,34 @@ def fit_document(
         removed,
     )
     return shortened, removed
+
+
+def document_prompts(
+    tokenizer,
+    template: PromptTemplate,
+    retriever,
+    document: str,
+    question: str,
+    config: DecodeConfig,
+    target_window: int,
+    drafter_window: int,
+    query: str | None = None,
+) -> PromptPair:
+    """The prompts of a (document, question) pair for ``config.mode`` (DESIGN.md section 2)."""
+    if not document or not document.strip():
+        raise RapidspecError("the document is empty", param="document")
+    if not question or not question.strip():
+        raise RapidspecError("the question is empty", param="question")
+    mode = config.mode
+    retrieval = retriever.retrieve(document, query or question) if mode in USES_RETRIEVAL else None
+    target_reads_retrieved = mode in TARGET_READS_RETRIEVED
+    target_doc = retrieval.text if target_reads_retrieved else document
+    target_doc, truncated = fit_document(tokenizer, template, target_doc, question, target_window, config.truncate)
+    target_ids = prompt_ids(tokenizer, template, target_doc, question, target_reads_retrieved)
+    drafter_ids = None
+    if mode in USES_DRAFTER:
+        drafter_reads_retrieved = mode in DRAFTER_READS_RETRIEVED
+        drafter_doc = retrieval.text if drafter_reads_retrieved else target_doc
+        drafter_doc, _ = fit_document(tokenizer, template, drafter_doc, question, drafter_window, config.truncate)
+        drafter_ids = tuple(prompt_ids(tokenizer, template, drafter_doc, question, drafter_reads_retrieved))
+    return PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, target_reads_retrieved)

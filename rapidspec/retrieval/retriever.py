@@ -193,6 +193,31 @@ class Retriever:
         budget = self.config.budget_tokens or default_budget(document_tokens)
         if self.config.budget_tokens is None and budget < self.config.chunk_tokens:
             state = self._state(document, chunk_tokens=budget)
+        return self._select(state, query, budget, document_tokens, started)
+
+    def retrieve_segments(self, segments: Sequence[str], query: str) -> RetrievalResult:
+        """Like :meth:`retrieve` over ``"\\n\\n".join(segments)``, never cutting across segments.
+
+        Each segment (a turn of a conversation, say) is one chunk, or several
+        when it is longer than ``chunk_tokens``; spans index the joined text.
+        With the default budget, segments are cut at ``min(chunk_tokens,
+        budget)`` tokens as in :meth:`retrieve`.
+        """
+        started = time.perf_counter()
+        _check_text("query", query)
+        segments = list(segments)
+        if not segments or not any(s.strip() for s in segments):
+            raise RapidspecError("nothing to retrieve from: every segment is empty")
+        state = self._segment_state(segments, self.config.chunk_tokens)
+        document_tokens = sum(c.num_tokens for c in state.chunks)
+        budget = self.config.budget_tokens or default_budget(document_tokens)
+        if self.config.budget_tokens is None and budget < self.config.chunk_tokens:
+            state = self._segment_state(segments, budget)
+        return self._select(state, query, budget, document_tokens, started)
+
+    def _select(
+        self, state: _DocumentState, query: str, budget: int, document_tokens: int, started: float
+    ) -> RetrievalResult:
         scores = self._scores(state, query)
         counts = [c.num_tokens for c in state.chunks]
         chosen = select_chunks(scores, counts, budget, min_score=self.config.min_score)
@@ -237,6 +262,34 @@ class Retriever:
             t0 = time.perf_counter()
             state = _DocumentState(self._chunker(chunk_tokens).chunk(document))
             logger.info("chunked %d chars into %d chunks in %.2f s", len(document), len(state.chunks), time.perf_counter() - t0)
+            self._documents[key] = state
+            while len(self._documents) > self.config.max_cached_documents:
+                self._documents.popitem(last=False)
+        self._documents.move_to_end(key)
+        return state
+
+    def _segment_state(self, segments: list[str], chunk_tokens: int) -> _DocumentState:
+        """Chunks of each non-empty segment, with spans in ``"\\n\\n".join(segments)`` (cached)."""
+        joined = CHUNK_SEPARATOR.join(segments)
+        key = "segments:" + self._document_key(joined + "\0" + str([len(s) for s in segments]), chunk_tokens)
+        state = self._documents.get(key)
+        if state is None:
+            chunker = self._chunker(chunk_tokens)
+            counts = chunker.count_tokens(segments)
+            chunks: list[Chunk] = []
+            offset = 0
+            for segment, count in zip(segments, counts):
+                if segment.strip():
+                    pieces = (
+                        [Chunk(0, segment, 0, len(segment), count)] if count <= chunk_tokens else chunker.chunk(segment)
+                    )
+                    first = len(chunks)
+                    chunks.extend(
+                        Chunk(first + i, p.text, offset + p.char_start, offset + p.char_end, p.num_tokens)
+                        for i, p in enumerate(pieces)
+                    )
+                offset += len(segment) + len(CHUNK_SEPARATOR)
+            state = _DocumentState(tuple(chunks))
             self._documents[key] = state
             while len(self._documents) > self.config.max_cached_documents:
                 self._documents.popitem(last=False)

@@ -1,0 +1,266 @@
+"""Chat messages (and documents) -> what the target and the drafter read.
+
+The target always reads the whole conversation through the model's chat
+template. Where the long context comes from decides what the drafter reads
+(the "short" prompt; the target reads it too in mode ``rag``):
+
+1. ``documents`` given: the target reads them in full in a system message
+   before the conversation; the drafter reads what retrieval picks from them
+   for the last user message, in the same place.
+2. No documents, earlier turns: the conversation is the long context (the
+   paper's multi-turn setting). Earlier turns, except the last
+   ``recent_messages``, are the retrieval corpus, one segment per turn (long
+   turns split further), so chunks never cross a turn and keep its speaker.
+   The drafter reads the system message, the retrieved turns in their
+   original order and with their roles, the recent turns verbatim, and the
+   new user message.
+3. A single user message (a document pasted into the chat): its final
+   paragraph (the text after the last blank line, else after the last line
+   break) is the query, everything before it the corpus; the drafter reads the
+   retrieved chunks followed by that final paragraph.
+
+``query`` overrides the retrieval query in every case. Both prompts end with
+the same last user message, so their continuations align token for token.
+
+A prompt longer than its window is refused (``truncate="error"``,
+:class:`ContextLengthError`) or shortened (``"middle"``): the oldest turns are
+dropped first, then the middle of the longest message is cut.
+
+``raw=True`` renders without chat template or role labels (the text
+completions route): the messages' contents joined by blank lines.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rapidspec.config import DRAFTER_READS_RETRIEVED, TARGET_READS_RETRIEVED, USES_DRAFTER, USES_RETRIEVAL
+from rapidspec.errors import ContextLengthError, RapidspecError
+from rapidspec.prompts import PromptPair
+from rapidspec.retrieval import CHUNK_SEPARATOR
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+#: Earlier messages the drafter always reads verbatim (the last exchange).
+DEFAULT_RECENT_MESSAGES = 2
+DOCUMENTS_SYSTEM = "Answer using the following {source}.\n\n<documents>\n{documents}\n</documents>"
+FULL_SOURCE = "documents"
+RETRIEVED_SOURCE = "passages retrieved from the documents"
+# Token counts of a text alone and inside a prompt differ at the seams.
+_MARGIN_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+def parse_messages(raw) -> tuple[Message, ...]:
+    """Validated messages from OpenAI-style dicts (string content, or a list of text parts)."""
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise RapidspecError("messages must be a non-empty list", param="messages")
+    messages = []
+    for index, item in enumerate(raw):
+        if isinstance(item, Message):
+            messages.append(item)
+            continue
+        where = f"messages[{index}]"
+        if not isinstance(item, dict):
+            raise RapidspecError(f"{where} must be an object with 'role' and 'content'", param=where)
+        role, content = item.get("role"), item.get("content")
+        if role not in ROLES:
+            raise RapidspecError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+        messages.append(Message(role, _text_content(content, f"{where}.content")))
+    if messages[-1].role != "user":
+        raise RapidspecError("the last message must be a user message", param="messages")
+    if not messages[-1].content.strip():
+        raise RapidspecError("the last user message is empty", param="messages")
+    return tuple(messages)
+
+
+def _text_content(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RapidspecError(f"{where}: only text content parts are supported", param=where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RapidspecError(f"{where} must be a string or a list of text parts", param=where)
+
+
+def parse_documents(raw) -> tuple[str, ...]:
+    """Documents as texts: strings, or ``{"text", "title"?}`` objects (title on its own line first)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, (list, tuple)):
+        raise RapidspecError("documents must be a list", param="documents")
+    texts = []
+    for index, item in enumerate(raw):
+        where = f"documents[{index}]"
+        title = None
+        if isinstance(item, dict):
+            title, item = item.get("title"), item.get("text")
+            if title is not None and not isinstance(title, str):
+                raise RapidspecError(f"{where}.title must be a string", param=where)
+        if not isinstance(item, str) or not item.strip():
+            raise RapidspecError(f"{where} must be a non-empty text (a string or an object with 'text')", param=where)
+        texts.append(f"{title}\n{item}" if title else item)
+    return tuple(texts)
+
+
+def render(tokenizer, messages: Sequence[Message], raw: bool = False) -> list[int]:
+    """Token ids of ``messages`` ending where the assistant's answer starts."""
+    if raw:
+        text = CHUNK_SEPARATOR.join(m.content for m in messages)
+        return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([m.to_dict() for m in messages], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    text = "".join(f"{m.role.capitalize()}: {m.content}\n\n" for m in messages) + "Assistant:"
+    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+
+def chat_prompts(
+    tokenizer,
+    retriever,
+    messages: Sequence[Message],
+    documents: Sequence[str] = (),
+    *,
+    mode: str,
+    target_window: int,
+    drafter_window: int,
+    truncate: str = "middle",
+    query: str | None = None,
+    recent_messages: int = DEFAULT_RECENT_MESSAGES,
+    raw: bool = False,
+) -> PromptPair:
+    """The target's and the drafter's prompts of a conversation (see the module docstring)."""
+    if recent_messages < 0:
+        raise RapidspecError(f"recent_messages must be >= 0, got {recent_messages}", param="recent_messages")
+    if query is not None and not query.strip():
+        raise RapidspecError("the query is empty", param="query")
+    n_system = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    system_text = CHUNK_SEPARATOR.join(m.content for m in messages[:n_system])
+    rest = list(messages[n_system:])
+    earlier, last = rest[:-1], rest[-1]
+    retrieval, turns = None, ()
+    wants_retrieval = mode in USES_RETRIEVAL
+
+    def with_system(extra: str) -> list[Message]:
+        text = CHUNK_SEPARATOR.join(t for t in (system_text, extra) if t)
+        return [Message("system", text)] if text else []
+
+    if documents:
+        joined = CHUNK_SEPARATOR.join(documents)
+        long_messages = with_system(DOCUMENTS_SYSTEM.format(source=FULL_SOURCE, documents=joined)) + rest
+        short_messages = long_messages
+        if wants_retrieval:
+            retrieval = retriever.retrieve(joined, query or last.content)
+            short_messages = with_system(DOCUMENTS_SYSTEM.format(source=RETRIEVED_SOURCE, documents=retrieval.text)) + rest
+    elif earlier:
+        long_messages = with_system("") + rest
+        short_messages = long_messages
+        recent = earlier[len(earlier) - recent_messages :] if recent_messages else []
+        corpus = earlier[: len(earlier) - len(recent)]
+        if wants_retrieval and any(m.content.strip() for m in corpus):
+            retrieval = retriever.retrieve_segments([m.content for m in corpus], query or last.content)
+            kept, picked = _retrieved_turns(corpus, retrieval)
+            turns = tuple(n_system + i for i in picked)
+            short_messages = with_system("") + kept + recent + [last]
+    else:
+        long_messages = with_system("") + [last]
+        short_messages = long_messages
+        corpus_text, separator, tail = _split_pasted(last.content)
+        if wants_retrieval and corpus_text.strip():
+            retrieval = retriever.retrieve(corpus_text, query or tail)
+            short_messages = with_system("") + [Message("user", retrieval.text + separator + tail)]
+
+    target_messages = short_messages if mode in TARGET_READS_RETRIEVED else long_messages
+    target_ids, truncated = fit_messages(tokenizer, target_messages, target_window, truncate, raw)
+    drafter_ids = None
+    if mode in USES_DRAFTER:
+        drafter_messages = short_messages if mode in DRAFTER_READS_RETRIEVED else target_messages
+        drafter_ids = tuple(fit_messages(tokenizer, drafter_messages, drafter_window, truncate, raw)[0])
+    return PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, mode in TARGET_READS_RETRIEVED, turns)
+
+
+def _retrieved_turns(corpus: Sequence[Message], retrieval) -> tuple[list[Message], list[int]]:
+    """The corpus messages retrieval picked (their picked chunks only), in order, and their indices.
+
+    Example: corpus turns of 10, 5 and 8 characters start at offsets 0, 12
+    and 19 of the joined text; chunks at offsets 12 and 19 pick turns 1 and 2.
+    """
+    starts, offset = [], 0
+    for message in corpus:
+        starts.append(offset)
+        offset += len(message.content) + len(CHUNK_SEPARATOR)
+    pieces: dict[int, list[str]] = {}
+    for chunk in retrieval.chunks:  # in document order
+        pieces.setdefault(bisect.bisect_right(starts, chunk.char_start) - 1, []).append(chunk.text)
+    picked = sorted(pieces)
+    return [Message(corpus[i].role, CHUNK_SEPARATOR.join(pieces[i])) for i in picked], picked
+
+
+def _split_pasted(text: str) -> tuple[str, str, str]:
+    """(corpus, separator, final paragraph) of a pasted message; no corpus when it has one paragraph.
+
+    Example: ``"A long text.\\n\\nWho wrote it?"`` -> ``("A long text.", "\\n\\n", "Who wrote it?")``.
+    """
+    body = text.rstrip()
+    for separator in ("\n\n", "\n"):
+        cut = body.rfind(separator)
+        if cut > 0 and body[cut:].strip():
+            return body[:cut], separator, body[cut + len(separator) :] + text[len(body) :]
+    return "", "", text
+
+
+def fit_messages(tokenizer, messages: Sequence[Message], window: int, truncate: str, raw: bool = False) -> tuple[list[int], int]:
+    """Rendered ``messages`` within ``window`` tokens, and how many tokens were removed to fit."""
+    messages = list(messages)
+    ids = render(tokenizer, messages, raw)
+    if len(ids) <= window:
+        return ids, 0
+    if truncate == "error":
+        raise ContextLengthError(
+            f"the prompt has {len(ids)} tokens but the model's window leaves {window} for it after the answer's "
+            f"max tokens; shorten the input, lower the answer length, or set truncate='middle'"
+        )
+    original = len(ids)
+    first = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    # 1 drop the oldest turns (a conversation must still start with a user turn)
+    while len(ids) > window and len(messages) - first > 1:
+        del messages[first]
+        while len(messages) - first > 1 and messages[first].role != "user":
+            del messages[first]
+        ids = render(tokenizer, messages, raw)
+    # 2 cut the middle of the longest message
+    for _ in range(3):
+        if len(ids) <= window:
+            break
+        longest = max(range(len(messages)), key=lambda i: len(messages[i].content))
+        excess = len(ids) - window + _MARGIN_TOKENS
+        content_ids = tokenizer(messages[longest].content, add_special_tokens=False)["input_ids"]
+        keep = len(content_ids) - excess
+        if keep < 2:
+            raise ContextLengthError(f"the prompt cannot be cut to fit {window} tokens of the window")
+        head = keep // 2
+        shortened = tokenizer.decode(content_ids[:head]) + tokenizer.decode(content_ids[len(content_ids) - (keep - head) :])
+        messages[longest] = Message(messages[longest].role, shortened)
+        ids = render(tokenizer, messages, raw)
+    if len(ids) > window:
+        raise ContextLengthError(f"the prompt cannot be cut to fit {window} tokens of the window")
+    logger.warning("prompt of %d tokens is longer than the window allows; cut to %d tokens", original, len(ids))
+    return ids, original - len(ids)

@@ -1,0 +1,50 @@
+"""What a generation yields: streamed chunks, and the output with its statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from rapidspec.config import DecodeConfig
+from rapidspec.stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """The answer of one generation with everything measured about it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+    config: DecodeConfig
+    retrieval: object | None = None  # rapidspec.retrieval.RetrievalResult for retrieving modes
+    retrieved_turns: tuple[int, ...] = ()  # chat messages the drafter read from the history
+
+    def to_dict(self) -> dict:
+        out = {
+            "text": self.text,
+            "mode": self.config.mode,
+            "stats": self.stats.to_dict(),
+            "retrieval": self.retrieval.to_dict() if self.retrieval is not None else None,
+        }
+        if self.retrieved_turns:
+            out["retrieved_turns"] = list(self.retrieved_turns)
+        return out
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """New text and tokens of one step; the last chunk carries the full output."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    output: GenerationOutput | None = field(default=None, repr=False)
+
+
+def last_output(chunks: Iterator[StreamChunk]) -> GenerationOutput:
+    """The final output of a stream (consumed to the end)."""
+    output = None
+    for chunk in chunks:
+        output = chunk.output or output
+    assert output is not None
+    return output

@@ -1,0 +1,117 @@
+"""A bounded store of target KV caches keyed by their token prefix.
+
+After a generation the engine hands its target cache (prompt plus answer) to
+the store; the next request whose prompt starts with the same tokens (the next
+turn of a conversation, another question about the same document) starts from
+a copy of it cropped to the shared prefix and prefills only the rest.
+
+* ``lookup(token_ids)`` picks the entry sharing the longest prefix with
+  ``token_ids`` (at least ``min_reused_tokens``) and returns an independent
+  copy cropped to that prefix; the entry becomes the most recently used.
+* ``store(cache)`` takes ownership of ``cache``. An entry whose tokens are a
+  prefix of the new one is dropped (the new one serves every request the old
+  one could); least recently used entries are evicted until the key/value
+  bytes fit ``max_bytes``. A cache larger than ``max_bytes`` is not kept.
+
+Example (``min_reused_tokens=2``)::
+
+    store([1, 2, 3, 4])             entries: [1 2 3 4]
+    lookup([1, 2, 3, 9, 9]) -> copy holding [1 2 3], reused 3
+    store([1, 2, 3, 9, 9, 7])       entries: [1 2 3 4], [1 2 3 9 9 7]
+    store([1, 2, 3, 4, 5])          entries: [1 2 3 9 9 7], [1 2 3 4 5]
+
+Counters (``queries``, ``hits``, ``queried_tokens``, ``reused_tokens``,
+``evictions``) feed the statistics and the server's metrics. Not thread-safe:
+one engine, one caller at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rapidspec.cache import KVCache, common_prefix_length
+from rapidspec.errors import RapidspecError
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+
+
+@dataclass
+class PrefixCacheCounters:
+    queries: int = 0
+    hits: int = 0
+    queried_tokens: int = 0
+    reused_tokens: int = 0
+    evictions: int = 0
+
+
+class PrefixCache:
+    """Least-recently-used target caches, at most ``max_bytes`` of keys and values in all."""
+
+    def __init__(self, max_bytes: int, min_reused_tokens: int = 64) -> None:
+        if max_bytes < 0:
+            raise RapidspecError(f"the prefix cache size must be >= 0, got {max_bytes} bytes")
+        self.max_bytes = int(max_bytes)
+        self.min_reused_tokens = min_reused_tokens
+        self.counters = PrefixCacheCounters()
+        self._entries: OrderedDict[int, KVCache] = OrderedDict()  # id -> cache, oldest first
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(entry.memory_bytes() for entry in self._entries.values())
+
+    @property
+    def held_token_ids(self) -> list[list[int]]:
+        """The token sequences held, least recently used first."""
+        return [entry.token_ids for entry in self._entries.values()]
+
+    def lookup(self, token_ids: Sequence[int]) -> tuple[KVCache | None, int]:
+        """A copy of the best entry cropped to the prefix it shares with ``token_ids``, and that length."""
+        self.counters.queries += 1
+        self.counters.queried_tokens += len(token_ids)
+        best_key, best_shared = None, 0
+        for key, entry in self._entries.items():
+            shared = common_prefix_length(entry.token_ids, token_ids)
+            if shared > best_shared:
+                best_key, best_shared = key, shared
+        if best_key is None or best_shared < self.min_reused_tokens:
+            return None, 0
+        self._entries.move_to_end(best_key)
+        copy = self._entries[best_key].clone()
+        copy.crop(best_shared)
+        self.counters.hits += 1
+        self.counters.reused_tokens += best_shared
+        return copy, best_shared
+
+    def store(self, cache: KVCache) -> None:
+        """Keep ``cache`` (owned by the store from now on); see the module docstring."""
+        held = cache.token_ids
+        if len(held) < self.min_reused_tokens:
+            return
+        size = cache.memory_bytes()
+        if size > self.max_bytes:
+            logger.info("prefix cache: a %d-token cache (%.2f GiB) exceeds the %.2f GiB bound; not kept",
+                        len(held), size / GIB, self.max_bytes / GIB)
+            return
+        for key in [k for k, entry in self._entries.items() if _is_prefix(entry.token_ids, held)]:
+            del self._entries[key]
+        self._entries[self._next_id] = cache
+        self._next_id += 1
+        while self.bytes_used > self.max_bytes:
+            self._entries.popitem(last=False)
+            self.counters.evictions += 1
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _is_prefix(short: Sequence[int], long: Sequence[int]) -> bool:
+    return len(short) <= len(long) and common_prefix_length(short, long) == len(short)
