@@ -156,12 +156,12 @@ class Rapid:
 
     def chat_prompts(
         self, messages, config: DecodeConfig, *, documents=None, query: str | None = None,
-        recent_messages: int = DEFAULT_RECENT_MESSAGES, raw: bool = False,
+        recent_messages: int = DEFAULT_RECENT_MESSAGES, raw: bool = False, retriever=None,
     ) -> PromptPair:
-        """The target's and drafter's prompts of a conversation; ``raw`` skips the chat template."""
+        """The prompts of a conversation; ``raw`` skips the chat template, ``retriever`` replaces the engine's."""
         target_window, drafter_window = self._windows(config)
         return chat_prompts(
-            self.tokenizer, self.retriever, parse_messages(messages), parse_documents(documents), mode=config.mode,
+            self.tokenizer, retriever or self.retriever, parse_messages(messages), parse_documents(documents), mode=config.mode,
             target_window=target_window, drafter_window=drafter_window, truncate=config.truncate, query=query,
             recent_messages=recent_messages, raw=raw,
         )

@@ -58,34 +58,31 @@ class PrefixCache:
         self.max_bytes = int(max_bytes)
         self.min_reused_tokens = min_reused_tokens
         self.counters = PrefixCacheCounters()
-        self._entries: OrderedDict[int, KVCache] = OrderedDict()  # id -> cache, oldest first
+        self._entries: OrderedDict[int, tuple[KVCache, int]] = OrderedDict()  # id -> (cache, bytes), oldest first
         self._next_id = 0
+        self.bytes_used = 0  # kept up to date, so other threads may read it
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
-    def bytes_used(self) -> int:
-        return sum(entry.memory_bytes() for entry in self._entries.values())
-
-    @property
     def held_token_ids(self) -> list[list[int]]:
         """The token sequences held, least recently used first."""
-        return [entry.token_ids for entry in self._entries.values()]
+        return [entry.token_ids for entry, _ in self._entries.values()]
 
     def lookup(self, token_ids: Sequence[int]) -> tuple[KVCache | None, int]:
         """A copy of the best entry cropped to the prefix it shares with ``token_ids``, and that length."""
         self.counters.queries += 1
         self.counters.queried_tokens += len(token_ids)
         best_key, best_shared = None, 0
-        for key, entry in self._entries.items():
+        for key, (entry, _) in self._entries.items():
             shared = common_prefix_length(entry.token_ids, token_ids)
             if shared > best_shared:
                 best_key, best_shared = key, shared
         if best_key is None or best_shared < self.min_reused_tokens:
             return None, 0
         self._entries.move_to_end(best_key)
-        copy = self._entries[best_key].clone()
+        copy = self._entries[best_key][0].clone()
         copy.crop(best_shared)
         self.counters.hits += 1
         self.counters.reused_tokens += best_shared
@@ -101,16 +98,18 @@ class PrefixCache:
             logger.info("prefix cache: a %d-token cache (%.2f GiB) exceeds the %.2f GiB bound; not kept",
                         len(held), size / GIB, self.max_bytes / GIB)
             return
-        for key in [k for k, entry in self._entries.items() if _is_prefix(entry.token_ids, held)]:
-            del self._entries[key]
-        self._entries[self._next_id] = cache
+        for key in [k for k, (entry, _) in self._entries.items() if _is_prefix(entry.token_ids, held)]:
+            self.bytes_used -= self._entries.pop(key)[1]
+        self._entries[self._next_id] = (cache, size)
         self._next_id += 1
+        self.bytes_used += size
         while self.bytes_used > self.max_bytes:
-            self._entries.popitem(last=False)
+            self.bytes_used -= self._entries.popitem(last=False)[1][1]
             self.counters.evictions += 1
 
     def clear(self) -> None:
         self._entries.clear()
+        self.bytes_used = 0
 
 
 def _is_prefix(short: Sequence[int], long: Sequence[int]) -> bool:

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import fields, replace
 
 from rapidspec.config import MODES, DecodeConfig
+from rapidspec.errors import RapidspecError
 from rapidspec.quantization import QUANTIZATIONS
 from rapidspec.retrieval import METHODS, RetrievalConfig
 
@@ -95,9 +96,21 @@ def load_models(args: argparse.Namespace):
     return target, drafter
 
 
+def add_prefix_cache_option(parser: argparse.ArgumentParser) -> None:
+    from rapidspec.engine import DEFAULT_PREFIX_CACHE_GIB
+
+    parser.add_argument("--prefix-cache-gib", type=float, default=DEFAULT_PREFIX_CACHE_GIB,
+                        help="memory for stored target caches reused by later turns and requests sharing a prefix; "
+                             "least recently used evicted, 0 = off (default: %(default)s)")
+
+
 def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):
     """Load the target (and drafter) named by the options and build a Rapid engine."""
-    from rapidspec.engine import Rapid
+    from rapidspec.engine import DEFAULT_PREFIX_CACHE_GIB, Rapid
 
+    gib = getattr(args, "prefix_cache_gib", DEFAULT_PREFIX_CACHE_GIB)
+    if gib < 0:
+        raise RapidspecError(f"--prefix-cache-gib must be >= 0, got {gib}")
     target, drafter = load_models(args)
-    return Rapid(target, drafter, retrieval=retrieval_config(args), reuse_document_cache=reuse_document_cache)
+    return Rapid(target, drafter, retrieval=retrieval_config(args), reuse_document_cache=reuse_document_cache,
+                 prefix_cache_gib=gib)

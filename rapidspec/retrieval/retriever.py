@@ -164,6 +164,11 @@ class Retriever:
             self._embedder = load_embedder(self.config.embedding_model, self.config.device)
         return self._embedder
 
+    @property
+    def loaded_embedder(self) -> Any:
+        """The sentence-transformers model if it is loaded already, else None (never loads it)."""
+        return self._embedder
+
     def chunks(self, document: str) -> tuple[Chunk, ...]:
         """All chunks of ``document`` (cached)."""
         return self._state(document).chunks

@@ -1,0 +1,73 @@
+"""``rapidspec serve``: the OpenAI-compatible HTTP server (docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from rapidspec.cli.options import (
+    add_decode_options,
+    add_model_options,
+    add_prefix_cache_option,
+    add_retrieval_options,
+    decode_config,
+    load_engine,
+    retrieval_config,
+)
+from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
+from rapidspec.errors import RapidspecError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the models behind an OpenAI-compatible HTTP API",
+        description=(
+            "POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models, /health "
+            "and /metrics (Prometheus). Decoding and retrieval options set the defaults of every request; "
+            "a request overrides them with fields of the same names (see docs/serving.md)."
+        ),
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")
+    parser.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; more get 429 (default: %(default)s)")
+    parser.add_argument("--recent-messages", type=int, default=DEFAULT_RECENT_MESSAGES,
+                        help="earlier chat messages the drafter always reads verbatim (default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM/Ctrl-C, seconds to let running requests finish before cancelling them (default: %(default)s)")
+    add_prefix_cache_option(parser)
+    add_model_options(parser)
+    add_decode_options(parser)
+    add_retrieval_options(parser)
+    # A prompt longer than the window is a 400 (context_length_exceeded) unless a request asks to truncate.
+    parser.set_defaults(handler=run, truncate="error")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from rapidspec.server import ServerConfig, create_app
+    except ImportError as err:
+        raise RapidspecError(f"rapidspec serve needs the serve extra ({err.name} is missing): "
+                             "pip install 'rapidspec[serve]'") from None
+    if not 0 <= args.port <= 65535:
+        raise RapidspecError(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout < 0:
+        raise RapidspecError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    config = ServerConfig(
+        model_name=args.served_model_name or args.target,
+        decode=decode_config(args),
+        retrieval=retrieval_config(args),
+        recent_messages=args.recent_messages,
+        max_queue=args.max_queue,
+    )
+    engine = load_engine(args)
+    app = create_app(engine, config)
+    logging.getLogger("rapidspec").setLevel(logging.INFO)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout,
+    ))
+    server.run()
+    return 0

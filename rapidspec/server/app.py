@@ -1,0 +1,254 @@
+"""The FastAPI application: OpenAI routes over one engine, no decoding logic of its own.
+
+Each generation request is checked (400 on a user mistake), queued on the
+:class:`~rapidspec.server.worker.Worker` (429 when the queue is full), and
+answered once the engine has built its prompts (so a prompt that does not fit
+the window is a 400 even when streaming). A client that goes away is noticed
+within ``disconnect_poll_seconds`` and its generation stops after the current
+round. Errors always use OpenAI's body ``{"error": {"message", "type",
+"param", "code"}}``; a bug is a 500 whose body has no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rapidspec.config import DecodeConfig
+from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, parse_messages
+from rapidspec.errors import RapidspecError
+from rapidspec.retrieval import RetrievalConfig, Retriever
+from rapidspec.server.metrics import ServerMetrics
+from rapidspec.server.responses import FINISH_REASONS, Reply, error_body, error_response, sse
+from rapidspec.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from rapidspec.server.worker import Job, QueueFull, Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server settings; ``decode`` and ``retrieval`` are the defaults of every request."""
+
+    model_name: str
+    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(truncate="error"))
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    recent_messages: int = DEFAULT_RECENT_MESSAGES
+    max_queue: int = 16
+    disconnect_poll_seconds: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise RapidspecError("the served model name is empty")
+        if self.max_queue < 0:
+            raise RapidspecError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.recent_messages < 0:
+            raise RapidspecError(f"recent_messages must be >= 0, got {self.recent_messages}")
+
+
+class _Cancelled(Exception):
+    """The client went away."""
+
+
+def create_app(engine, config: ServerConfig) -> FastAPI:
+    """The app serving ``engine`` (a :class:`rapidspec.Rapid`); see docs/serving.md."""
+    worker = Worker(config.max_queue)
+    metrics = ServerMetrics(config.model_name, waiting=lambda: worker.waiting, running=lambda: worker.running)
+    retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()  # used on the worker thread only
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="rapidspec", lifespan=lifespan)
+    app.state.engine, app.state.worker, app.state.metrics = engine, worker, metrics
+
+    def retriever_for(wanted: RetrievalConfig) -> Retriever:
+        if wanted == engine.retriever.config:
+            return engine.retriever
+        if wanted not in retrievers:
+            retrievers[wanted] = Retriever(wanted, tokenizer=engine.tokenizer, embedder=engine.retriever.loaded_embedder)
+            while len(retrievers) > 4:
+                retrievers.popitem(last=False)
+        retrievers.move_to_end(wanted)
+        return retrievers[wanted]
+
+    # ---------------------------------------------------------------- errors
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
+        metrics.failed("bad_request")
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        else:
+            message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}"
+        return error_response(400, message, "invalid_request_error", where, first.get("type"))
+
+    @app.exception_handler(RapidspecError)
+    async def user_mistake(request: Request, err: RapidspecError) -> JSONResponse:
+        metrics.failed("bad_request")
+        return error_response(400, str(err), "invalid_request_error", err.param, err.code)
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(request: Request, err: QueueFull) -> JSONResponse:
+        metrics.failed("queue_full")
+        return error_response(429, f"the server is busy: {err}; retry later", "rate_limit_error", None, "queue_full")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail), "invalid_request_error", None, None)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        logger.error("request failed: %r", err)
+        metrics.failed("internal_error")
+        return error_response(500, "internal server error (see the server's log)", "internal_error", None, "internal_error")
+
+    # ---------------------------------------------------------------- routes
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": config.model_name, "running": worker.running, "waiting": worker.waiting,
+                "max_queue": config.max_queue, "prefix_cache": {"entries": len(engine.prefix_cache),
+                                                                 "bytes": engine.prefix_cache.bytes_used,
+                                                                 "max_bytes": engine.prefix_cache.max_bytes}}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": started,
+                                            "owned_by": "rapidspec", "max_model_len": engine.target.max_context}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await generate(body, request, body.messages, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await generate(body, request, [{"role": "user", "content": body.prompt_text()}], chat=False)
+
+    # ------------------------------------------------------------ generation
+    async def generate(body: GenerationRequest, request: Request, messages, chat: bool):
+        arrived = time.perf_counter()
+        if body.model is not None and body.model != config.model_name:
+            raise RapidspecError(f"the model {body.model!r} is not served here; this server serves "
+                                 f"{config.model_name!r}", param="model", code="model_not_found")
+        decode = body.decode_config(config.decode)
+        retrieval = body.retrieval_config(config.retrieval)
+        messages = parse_messages(messages)
+        recent = config.recent_messages if body.recent_messages is None else body.recent_messages
+
+        def work(emit, cancelled) -> None:
+            prompts = engine.chat_prompts(messages, decode, documents=body.documents, query=body.query,
+                                          recent_messages=recent, raw=not chat, retriever=retriever_for(retrieval))
+            emit("ready", None)
+            stream = engine.decode(prompts, decode)
+            try:
+                for chunk in stream:
+                    if cancelled.is_set():
+                        return
+                    emit("chunk", chunk)
+            finally:
+                stream.close()
+
+        job = worker.submit(work)
+        reply = Reply(chat, config.model_name)
+        try:
+            kind, payload = await next_event(job, request)  # "ready" once the prompts are built
+        except _Cancelled:
+            metrics.failed("cancelled")
+            return Response(status_code=204)
+        if kind == "error":
+            raise payload
+        if kind == "end":
+            return shutting_down()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return StreamingResponse(stream_events(job, request, reply, arrived, include_usage),
+                                     media_type="text/event-stream")
+        output = None
+        try:
+            while (event := await next_event(job, request))[0] == "chunk":
+                if output is None:
+                    metrics.time_to_first_token.labels(config.model_name).observe(time.perf_counter() - arrived)
+                output = event[1].output or output
+        except _Cancelled:
+            metrics.failed("cancelled")
+            return Response(status_code=204)
+        if event[0] == "error":
+            raise event[1]
+        if output is None:
+            return shutting_down()
+        record_finish(job, output, arrived)
+        return reply.complete(output)
+
+    def shutting_down() -> JSONResponse:
+        metrics.failed("cancelled")
+        return error_response(503, "the server is shutting down", "server_error", None, "shutting_down")
+
+    async def stream_events(job: Job, request: Request, reply: Reply, arrived: float, include_usage: bool):
+        first, finished, failed = True, False, False
+        try:
+            yield sse(reply.chunk(role=True) if reply.chat else reply.chunk(text=""))
+            while True:
+                kind, payload = await next_event(job, request)
+                if kind == "error":
+                    status, body = (400, error_body(str(payload), "invalid_request_error")) if isinstance(
+                        payload, RapidspecError) else (500, error_body("internal server error", "internal_error"))
+                    metrics.failed("bad_request" if status == 400 else "internal_error")
+                    failed = True
+                    yield sse(body)
+                    break
+                if kind != "chunk":
+                    break
+                if first and (payload.text or payload.token_ids):
+                    metrics.time_to_first_token.labels(config.model_name).observe(time.perf_counter() - arrived)
+                    first = False
+                if payload.text:
+                    yield sse(reply.chunk(text=payload.text))
+                if payload.output is not None:
+                    record_finish(job, payload.output, arrived)
+                    finished = True
+                    for last in reply.last_chunks(payload.output, include_usage):
+                        yield sse(last)
+            yield sse("[DONE]")
+        except _Cancelled:
+            pass
+        finally:
+            if not finished:
+                job.cancel()  # the client went away: stop after the current round
+                if not failed:
+                    metrics.failed("cancelled")
+
+    async def next_event(job: Job, request: Request) -> tuple[str, object]:
+        """The job's next event; raises _Cancelled (and cancels the job) when the client has gone."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), config.disconnect_poll_seconds)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise _Cancelled() from None
+
+    def record_finish(job: Job, output, arrived: float) -> None:
+        now = time.perf_counter()
+        metrics.e2e_latency.labels(config.model_name).observe(now - arrived)
+        if job.started is not None:
+            metrics.queue_time.labels(config.model_name).observe(job.started - job.submitted)
+        metrics.finished(output.stats, FINISH_REASONS[output.stats.stop_reason])
+
+    return app
