@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 from rapidspec.cli.options import (
     add_decode_options,
@@ -69,5 +70,11 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout,
     ))
-    server.run()
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler that was
+    # there before; a handler that does nothing makes that a clean exit with code 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0

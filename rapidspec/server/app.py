@@ -37,11 +37,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Server settings; ``decode`` and ``retrieval`` are the defaults of every request."""
+    """Server settings; ``decode`` and ``retrieval`` (None: the engine's) are the defaults of every request."""
 
     model_name: str
     decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(truncate="error"))
-    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    retrieval: RetrievalConfig | None = None
     recent_messages: int = DEFAULT_RECENT_MESSAGES
     max_queue: int = 16
     disconnect_poll_seconds: float = 0.5
@@ -92,6 +92,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
         if first.get("type") == "json_invalid":
             message = "the request body is not valid JSON"
+        elif not where:
+            message = "the request body must be a JSON object (Content-Type: application/json)"
         else:
             message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}"
         return error_response(400, message, "invalid_request_error", where, first.get("type"))
@@ -148,7 +150,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
             raise RapidspecError(f"the model {body.model!r} is not served here; this server serves "
                                  f"{config.model_name!r}", param="model", code="model_not_found")
         decode = body.decode_config(config.decode)
-        retrieval = body.retrieval_config(config.retrieval)
+        retrieval = body.retrieval_config(config.retrieval or engine.retriever.config)
         messages = parse_messages(messages)
         recent = config.recent_messages if body.recent_messages is None else body.recent_messages
 

@@ -1,0 +1,80 @@
+"""A live server on 127.0.0.1 (a free port) in a thread, for the server tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from rapidspec.server import ServerConfig, create_app
+
+START_TIMEOUT_S = 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SlowEngine:
+    """An engine whose every streamed chunk takes ``delay`` seconds more (to hold the worker busy)."""
+
+    def __init__(self, engine, delay: float) -> None:
+        self._engine, self.delay = engine, delay
+        self.chunks_made = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def decode(self, prompts, config, **options):
+        for chunk in self._engine.decode(prompts, config, **options):
+            time.sleep(self.delay)
+            self.chunks_made += 1
+            yield chunk
+
+
+@contextmanager
+def running_server(engine, **config):
+    """Yield the base URL of a server for ``engine``; stops it (bounded) on exit."""
+    config.setdefault("model_name", "tiny")
+    config.setdefault("disconnect_poll_seconds", 0.1)
+    app = create_app(engine, ServerConfig(**config))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def wait_until(condition, timeout: float = 10.0, every: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(every)
+    return False
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """The value of one sample of ``/metrics`` (0 when absent)."""
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
