@@ -93,3 +93,12 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenize
     )
     backend.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model, tmp_path_factory):
+    """The tiny model saved as a local Hugging Face directory (for CLI commands run as users run them)."""
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    tiny_model.model.save_pretrained(path)
+    tiny_model.tokenizer.save_pretrained(path)
+    return path

@@ -106,3 +106,10 @@ def test_self_drafter_follows_drafter_quantize(monkeypatch, tiny_model, target_q
         how, method = expected.split()
         assert drafter.name == "self" and drafter.quantization == method
         assert loads == ([target_quantize] if how == "copy" else [target_quantize, method])
+
+
+def test_max_new_tokens_beyond_the_window_is_one_line(document, tiny_model_dir, capsys):
+    code = main(["generate", "--document", str(document), "--question", "Cat?", "--target", str(tiny_model_dir),
+                 "--retrieval", "bm25", "--max-new-tokens", "100000"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "leaves no room" in err

@@ -214,7 +214,7 @@ def test_a_body_that_is_not_a_json_object_is_a_400(server):
     assert response.status_code == 400 and "JSON object" in response.json()["error"]["message"]
 
 
-def test_sigterm_lets_the_running_request_finish_and_exits_0(tmp_path, tiny_model):
+def test_sigterm_lets_the_running_request_finish_and_exits_0(tiny_model_dir):
     """`rapidspec serve` in a subprocess (a tiny model saved to disk): SIGTERM mid-stream."""
     import signal
     import subprocess
@@ -223,9 +223,7 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(tmp_path, tiny_mode
 
     from tests.server_harness import free_port
 
-    model_dir = tmp_path / "tiny"
-    tiny_model.model.save_pretrained(model_dir)
-    tiny_model.tokenizer.save_pretrained(model_dir)
+    model_dir = tiny_model_dir
     port = free_port()
     command = [sys.executable, "-c", "import sys; from rapidspec.cli import main; sys.exit(main())", "serve",
                "--target", str(model_dir), "--port", str(port), "--retrieval", "bm25", "--shutdown-timeout", "20",

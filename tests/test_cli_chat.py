@@ -1,0 +1,90 @@
+"""`rapidspec chat`: the session loop on a tiny model (scripted input), and the command as a user runs it."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from rapidspec import DecodeConfig, Rapid
+from rapidspec.cli import main
+from rapidspec.cli.chat import ChatSession
+from rapidspec.outputs import StreamChunk
+from rapidspec.retrieval import RetrievalConfig
+
+RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96)
+CONFIG = DecodeConfig(mode="rapid", max_new_tokens=8, ignore_eos=True)
+LONG_TURN = "Day one: we planted tulips by the blue kettle and talked for hours. " * 12
+
+
+def session(engine, lines, **options):
+    script = iter(lines)
+
+    def read(prompt):
+        item = next(script, EOFError)
+        if isinstance(item, type) and issubclass(item, BaseException):
+            raise item
+        return item
+
+    out = io.StringIO()
+    console = Console(file=out, width=200, color_system=None)
+    return ChatSession(engine, CONFIG, console, read=read, **options), out
+
+
+def test_turns_commands_and_history_reuse(tiny_model, tmp_path):
+    engine = Rapid(tiny_model, retrieval=RETRIEVAL)
+    saved = tmp_path / "chat.json"
+    chat, out = session(engine, [LONG_TURN, "", "And then?", "/stats", f"/save {saved}", "/bogus", "/reset", "/stats"],
+                        system="Be brief.")
+    chat.loop()
+    text = out.getvalue()
+    assert text.count("tok/s") == 2 and "(stopped)" not in text
+    assert "mean accepted length" in text  # /stats prints the full table
+    assert "unknown command /bogus" in text and "no answer yet" in text
+    conversation = json.loads(saved.read_text(encoding="utf-8"))
+    roles = [m["role"] for m in conversation["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert chat.messages == [{"role": "system", "content": "Be brief."}]  # after /reset
+    reused = [line for line in text.splitlines() if "reused" in line]
+    assert "reused 0/" in reused[0] and "reused 0/" not in reused[1]  # turn 2 starts from turn 1's cache
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(tiny_model):
+    engine = Rapid(tiny_model, retrieval=RETRIEVAL)
+
+    def interrupted(messages, **options):
+        yield StreamChunk(text="partial")
+        raise KeyboardInterrupt
+
+    engine.stream_chat = interrupted
+    chat, out = session(engine, ["hello", KeyboardInterrupt, "/exit", "never read"])
+    chat.loop()
+    text = out.getvalue()
+    assert "partial" in text and "(stopped)" in text and "Ctrl-D or /exit" in text
+    assert chat.messages == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "partial"}]
+
+
+def test_documents_are_the_long_context(tiny_model):
+    engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128))
+    chat, out = session(engine, ["What was planted?"], documents=[LONG_TURN * 3])
+    chat.loop()
+    assert "chunks retrieved" in out.getvalue()
+
+
+@pytest.mark.parametrize("extra, message", [(["--document", "/nonexistent.txt"], "no such file"),
+                                            (["--recent-messages", "-1"], "recent-messages")])
+def test_user_mistakes_exit_2(capsys, extra, message):
+    assert main(["chat", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_command_with_piped_input(tiny_model_dir):
+    command = [sys.executable, "-c", "import sys; from rapidspec.cli import main; sys.exit(main())", "chat",
+               "--target", str(tiny_model_dir), "--retrieval", "bm25", "--max-new-tokens", "4", "--dtype", "float32"]
+    done = subprocess.run(command, input="Hello there\n/exit\n", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "you>" in done.stdout and "tok/s" in done.stdout
