@@ -178,11 +178,7 @@ _LOCOMO_DATE_HINT = " Use DATE of CONVERSATION to answer with an approximate dat
 def locomo_document(conversation: dict) -> str:
     """The conversation as text: per session a ``DATE:`` line, then ``Speaker: text`` lines."""
     a, b = conversation.get("speaker_a", "A"), conversation.get("speaker_b", "B")
-    sessions = sorted(
-        (int(m.group(1)), key)
-        for key in conversation
-        if (m := re.fullmatch(r"session_(\d+)", key)) and isinstance(conversation[key], list)
-    )
+    sessions = _locomo_session_keys(conversation)
     parts = [
         f"Below is a conversation between two people: {a} and {b}. The conversation takes place over "
         "multiple days and the date of each conversation is written at the beginning of the conversation."
@@ -196,6 +192,36 @@ def locomo_document(conversation: dict) -> str:
             lines.append(f"{turn.get('speaker', '?')}: {text}")
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
+
+
+def locomo_sessions(conversation: dict) -> list[list[dict[str, str]]]:
+    """The conversation in chat form, session by session: ``speaker_a`` speaks as the user.
+
+    Each message is ``{"role", "content": "Speaker: text"}``; a session's first
+    message starts with its date (``[DATE: ...]``), as in :func:`locomo_document`.
+    """
+    a = conversation.get("speaker_a")
+    sessions = []
+    for number, key in _locomo_session_keys(conversation):
+        messages = []
+        for turn in conversation[key]:
+            text = str(turn.get("text", "")).strip()
+            if turn.get("blip_caption"):
+                text += f" [shares {turn['blip_caption']}]"
+            content = f"{turn.get('speaker', '?')}: {text}"
+            if not messages:
+                content = f"[DATE: {conversation.get(f'session_{number}_date_time', 'unknown')}] {content}"
+            messages.append({"role": "user" if turn.get("speaker") == a else "assistant", "content": content})
+        sessions.append(messages)
+    return sessions
+
+
+def _locomo_session_keys(conversation: dict) -> list[tuple[int, str]]:
+    return sorted(
+        (int(m.group(1)), key)
+        for key in conversation
+        if (m := re.fullmatch(r"session_(\d+)", key)) and isinstance(conversation[key], list)
+    )
 
 
 def load_locomo(samples: list[dict], include_adversarial: bool = False) -> Iterator[EvalItem]:

@@ -1,0 +1,43 @@
+"""A two-turn chat with the built-in model through the server (slow): turn 2 reuses turn 1's prefill."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from rapidspec import Rapid, load_model
+from rapidspec.demo_document import demo_document
+from rapidspec.retrieval import RetrievalConfig
+from tests.server_harness import running_server
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_turn_chat_reuses_the_history_and_keeps_greedy_equality():
+    target = load_model("builtin", dtype="float32")
+    item = demo_document(target_tokens=2500, tokenizer=target.tokenizer)
+    paragraphs = [p for p in item.document.split("\n\n") if p.strip()]
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": p} for i, p in enumerate(paragraphs)]
+    if history[-1]["role"] == "user":
+        history.append({"role": "assistant", "content": "Noted."})
+    first_turn = history + [{"role": "user", "content": item.question}]
+    lc = Rapid(target, retrieval=RetrievalConfig(method="bm25")).chat(first_turn, mode="lc", max_new_tokens=24)
+
+    engine = Rapid(target, retrieval=RetrievalConfig(method="bm25"))
+    with running_server(engine, model_name="builtin") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        first = client.chat.completions.create(model="builtin", messages=first_turn, max_tokens=24,
+                                               extra_body={"mode": "rapid", "eta": 0, "truncate": "middle"})
+        assert first.choices[0].message.content == lc.text  # greedy, fp32, eta = 0: lc's answer
+        stats = first.model_extra["rapidspec"]["stats"]
+        assert stats["drafted_tokens"] > 0 and first.model_extra["rapidspec"]["retrieved_turns"]
+        second_turn = first_turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                                    {"role": "user", "content": "Say that again in one short sentence."}]
+        second = client.chat.completions.create(model="builtin", messages=second_turn, max_tokens=16,
+                                                extra_body={"mode": "rapid", "truncate": "middle"})
+    reused = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens > 2000
+    assert reused >= first.usage.prompt_tokens  # the whole first prompt, and most of its answer
+    assert second.usage.prompt_tokens - reused < 80
+    second_stats = second.model_extra["rapidspec"]["stats"]
+    assert second_stats["target_prefill_seconds"] < stats["target_prefill_seconds"] / 2
