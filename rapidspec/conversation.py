@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from rapidspec.config import DRAFTER_READS_RETRIEVED, TARGET_READS_RETRIEVED, USES_DRAFTER, USES_RETRIEVAL
 from rapidspec.errors import ContextLengthError, RapidspecError
-from rapidspec.prompts import PromptPair
+from rapidspec.prompts import PromptPair, chat_template_ids, cut_middle, text_ids
 from rapidspec.retrieval import CHUNK_SEPARATOR
 
 logger = logging.getLogger(__name__)
@@ -122,15 +122,10 @@ def parse_documents(raw) -> tuple[str, ...]:
 def render(tokenizer, messages: Sequence[Message], raw: bool = False) -> list[int]:
     """Token ids of ``messages`` ending where the assistant's answer starts."""
     if raw:
-        text = CHUNK_SEPARATOR.join(m.content for m in messages)
-        return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
+        return text_ids(tokenizer, CHUNK_SEPARATOR.join(m.content for m in messages))
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([m.to_dict() for m in messages], add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    text = "".join(f"{m.role.capitalize()}: {m.content}\n\n" for m in messages) + "Assistant:"
-    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
+        return chat_template_ids(tokenizer, [m.to_dict() for m in messages])
+    return text_ids(tokenizer, "".join(f"{m.role.capitalize()}: {m.content}\n\n" for m in messages) + "Assistant:")
 
 
 def chat_prompts(
@@ -256,9 +251,7 @@ def fit_messages(tokenizer, messages: Sequence[Message], window: int, truncate: 
         keep = len(content_ids) - excess
         if keep < 2:
             raise ContextLengthError(f"the prompt cannot be cut to fit {window} tokens of the window")
-        head = keep // 2
-        shortened = tokenizer.decode(content_ids[:head]) + tokenizer.decode(content_ids[len(content_ids) - (keep - head) :])
-        messages[longest] = Message(messages[longest].role, shortened)
+        messages[longest] = Message(messages[longest].role, cut_middle(tokenizer, content_ids, keep))
         ids = render(tokenizer, messages, raw)
     if len(ids) > window:
         raise ContextLengthError(f"the prompt cannot be cut to fit {window} tokens of the window")

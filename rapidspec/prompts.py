@@ -81,12 +81,27 @@ def prompt_ids(tokenizer, template: PromptTemplate, document: str, question: str
         messages = [{"role": "user", "content": text}]
         if template.system is not None:
             messages.insert(0, {"role": "system", "content": template.system})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    ids = tokenizer(text + template.plain_suffix, add_special_tokens=True)["input_ids"]
+        return chat_template_ids(tokenizer, messages)
+    return text_ids(tokenizer, text + template.plain_suffix)
+
+
+def chat_template_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` through the tokenizer's chat template, ending with the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of plain ``text`` (with the tokenizer's special tokens, e.g. BOS)."""
+    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+
+def cut_middle(tokenizer, token_ids: list[int], keep_tokens: int) -> str:
+    """The text of ``token_ids`` without its middle: the first and last halves of ``keep_tokens`` tokens."""
+    head = keep_tokens // 2
+    return tokenizer.decode(token_ids[:head]) + tokenizer.decode(token_ids[len(token_ids) - (keep_tokens - head) :])
 
 
 def fit_document(
@@ -123,9 +138,7 @@ def fit_document(
             f"the question and answer alone need {overhead} of {max_prompt_tokens} tokens of the window",
             param="question",
         )
-    head = keep // 2
-    tail = keep - head
-    shortened = tokenizer.decode(doc_ids[:head]) + tokenizer.decode(doc_ids[len(doc_ids) - tail :])
+    shortened = cut_middle(tokenizer, doc_ids, keep)
     removed = len(doc_ids) - keep
     logger.warning(
         "document of %d tokens is longer than the window allows; cut %d tokens from its middle",

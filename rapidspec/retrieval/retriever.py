@@ -23,7 +23,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,14 +191,7 @@ class Retriever:
             RapidspecError: empty document or query, no chunk fits the budget,
                 or the embedding model is not available offline.
         """
-        started = time.perf_counter()
-        _check_text("query", query)
-        state = self._state(document)
-        document_tokens = sum(c.num_tokens for c in state.chunks)
-        budget = self.config.budget_tokens or default_budget(document_tokens)
-        if self.config.budget_tokens is None and budget < self.config.chunk_tokens:
-            state = self._state(document, chunk_tokens=budget)
-        return self._select(state, query, budget, document_tokens, started)
+        return self._retrieve(lambda chunk_tokens: self._state(document, chunk_tokens), query)
 
     def retrieve_segments(self, segments: Sequence[str], query: str) -> RetrievalResult:
         """Like :meth:`retrieve` over ``"\\n\\n".join(segments)``, never cutting across segments.
@@ -208,16 +201,20 @@ class Retriever:
         With the default budget, segments are cut at ``min(chunk_tokens,
         budget)`` tokens as in :meth:`retrieve`.
         """
+        segments = list(segments)
+        if not any(s.strip() for s in segments):
+            raise RapidspecError("nothing to retrieve from: every segment is empty")
+        return self._retrieve(lambda chunk_tokens: self._segment_state(segments, chunk_tokens), query)
+
+    def _retrieve(self, state_for: Callable[[int], _DocumentState], query: str) -> RetrievalResult:
+        """Budget and selection over the chunks ``state_for(chunk_tokens)`` makes (see :meth:`retrieve`)."""
         started = time.perf_counter()
         _check_text("query", query)
-        segments = list(segments)
-        if not segments or not any(s.strip() for s in segments):
-            raise RapidspecError("nothing to retrieve from: every segment is empty")
-        state = self._segment_state(segments, self.config.chunk_tokens)
+        state = state_for(self.config.chunk_tokens)
         document_tokens = sum(c.num_tokens for c in state.chunks)
         budget = self.config.budget_tokens or default_budget(document_tokens)
         if self.config.budget_tokens is None and budget < self.config.chunk_tokens:
-            state = self._segment_state(segments, budget)
+            state = state_for(budget)
         return self._select(state, query, budget, document_tokens, started)
 
     def _select(
@@ -261,29 +258,23 @@ class Retriever:
     def _state(self, document: str, chunk_tokens: int | None = None) -> _DocumentState:
         _check_text("document", document)
         chunk_tokens = chunk_tokens or self.config.chunk_tokens
-        key = self._document_key(document, chunk_tokens)
-        state = self._documents.get(key)
-        if state is None:
+
+        def build() -> _DocumentState:
             t0 = time.perf_counter()
             state = _DocumentState(self._chunker(chunk_tokens).chunk(document))
             logger.info("chunked %d chars into %d chunks in %.2f s", len(document), len(state.chunks), time.perf_counter() - t0)
-            self._documents[key] = state
-            while len(self._documents) > self.config.max_cached_documents:
-                self._documents.popitem(last=False)
-        self._documents.move_to_end(key)
-        return state
+            return state
+
+        return self._cached(self._document_key(document, chunk_tokens), build)
 
     def _segment_state(self, segments: list[str], chunk_tokens: int) -> _DocumentState:
         """Chunks of each non-empty segment, with spans in ``"\\n\\n".join(segments)`` (cached)."""
-        joined = CHUNK_SEPARATOR.join(segments)
-        key = "segments:" + self._document_key(joined + "\0" + str([len(s) for s in segments]), chunk_tokens)
-        state = self._documents.get(key)
-        if state is None:
+
+        def build() -> _DocumentState:
             chunker = self._chunker(chunk_tokens)
-            counts = chunker.count_tokens(segments)
             chunks: list[Chunk] = []
             offset = 0
-            for segment, count in zip(segments, counts):
+            for segment, count in zip(segments, chunker.count_tokens(segments)):
                 if segment.strip():
                     pieces = (
                         [Chunk(0, segment, 0, len(segment), count)] if count <= chunk_tokens else chunker.chunk(segment)
@@ -294,8 +285,16 @@ class Retriever:
                         for i, p in enumerate(pieces)
                     )
                 offset += len(segment) + len(CHUNK_SEPARATOR)
-            state = _DocumentState(tuple(chunks))
-            self._documents[key] = state
+            return _DocumentState(tuple(chunks))
+
+        joined = CHUNK_SEPARATOR.join(segments)
+        return self._cached("segments:" + self._document_key(joined + "\0" + str([len(s) for s in segments]), chunk_tokens), build)
+
+    def _cached(self, key: str, build: Callable[[], _DocumentState]) -> _DocumentState:
+        """The state stored under ``key``, built on a miss; the least recently used beyond the bound are dropped."""
+        state = self._documents.get(key)
+        if state is None:
+            state = self._documents[key] = build()
             while len(self._documents) > self.config.max_cached_documents:
                 self._documents.popitem(last=False)
         self._documents.move_to_end(key)

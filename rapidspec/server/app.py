@@ -98,10 +98,18 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
             message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}"
         return error_response(400, message, "invalid_request_error", where, first.get("type"))
 
+    def failure(err: Exception) -> tuple[int, dict]:
+        """The status and OpenAI error body of a failed generation, counted in the metrics."""
+        if isinstance(err, RapidspecError):
+            metrics.failed("bad_request")
+            return 400, error_body(str(err), "invalid_request_error", err.param, err.code)
+        metrics.failed("internal_error")
+        return 500, error_body("internal server error (see the server's log)", "internal_error", None, "internal_error")
+
     @app.exception_handler(RapidspecError)
     async def user_mistake(request: Request, err: RapidspecError) -> JSONResponse:
-        metrics.failed("bad_request")
-        return error_response(400, str(err), "invalid_request_error", err.param, err.code)
+        status, body = failure(err)
+        return JSONResponse(body, status_code=status)
 
     @app.exception_handler(QueueFull)
     async def queue_full(request: Request, err: QueueFull) -> JSONResponse:
@@ -115,8 +123,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
         logger.error("request failed: %r", err)
-        metrics.failed("internal_error")
-        return error_response(500, "internal server error (see the server's log)", "internal_error", None, "internal_error")
+        status, body = failure(err)
+        return JSONResponse(body, status_code=status)
 
     # ---------------------------------------------------------------- routes
     @app.get("/health")
@@ -186,7 +194,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         try:
             while (event := await next_event(job, request))[0] == "chunk":
                 if output is None:
-                    metrics.time_to_first_token.labels(config.model_name).observe(time.perf_counter() - arrived)
+                    observe_first_token(arrived)
                 output = event[1].output or output
         except _Cancelled:
             metrics.failed("cancelled")
@@ -209,16 +217,13 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
             while True:
                 kind, payload = await next_event(job, request)
                 if kind == "error":
-                    status, body = (400, error_body(str(payload), "invalid_request_error")) if isinstance(
-                        payload, RapidspecError) else (500, error_body("internal server error", "internal_error"))
-                    metrics.failed("bad_request" if status == 400 else "internal_error")
                     failed = True
-                    yield sse(body)
+                    yield sse(failure(payload)[1])
                     break
                 if kind != "chunk":
                     break
                 if first and (payload.text or payload.token_ids):
-                    metrics.time_to_first_token.labels(config.model_name).observe(time.perf_counter() - arrived)
+                    observe_first_token(arrived)
                     first = False
                 if payload.text:
                     yield sse(reply.chunk(text=payload.text))
@@ -245,6 +250,9 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
                 if await request.is_disconnected():
                     job.cancel()
                     raise _Cancelled() from None
+
+    def observe_first_token(arrived: float) -> None:
+        metrics.time_to_first_token.labels(config.model_name).observe(time.perf_counter() - arrived)
 
     def record_finish(job: Job, output, arrived: float) -> None:
         now = time.perf_counter()

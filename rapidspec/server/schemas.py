@@ -13,7 +13,7 @@ here (``user``, ``metadata``, ``store``...) are accepted and ignored.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -96,7 +96,7 @@ class GenerationRequest(BaseModel):
         if not changes:
             return base
         try:
-            return RetrievalConfig(**{**base.__dict__, **changes})
+            return replace(base, **changes)
         except RapidspecError as err:
             raise RapidspecError(str(err), param=next(iter(changes))) from None
 
