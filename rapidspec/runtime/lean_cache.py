@@ -1,0 +1,112 @@
+"""The key/value cache of the lean forward: preallocated buffers with room ahead.
+
+:class:`LeanKVCache` has the interface of :class:`rapidspec.cache.KVCache`
+(``forward``, ``prefill``, ``crop``, ``clone``, ``length``, ``token_ids``,
+``device``, ``memory_bytes``) and is its owner's only writer. Keys and values
+of all layers live in two buffers [layers, kv_heads, capacity, head_dim];
+a forward writes the new positions in place and attends over the first
+``length`` positions of each head, whose [length, head_dim] blocks are
+contiguous. Rollback only shortens ``length``: the next forward overwrites
+what was cropped. Capacity grows like the transformers path's
+:class:`~rapidspec.cache.GrowableLayer` (by :data:`~rapidspec.cache.ROOM_GROWTH`,
+in multiples of :data:`~rapidspec.cache.ROOM_QUANTUM` tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rapidspec.cache import ROOM_GROWTH, ROOM_QUANTUM
+from rapidspec.runtime.lean import LeanModel
+
+
+class LeanKVCache:
+    """The key/value cache of one :class:`LeanModel` over one token sequence."""
+
+    def __init__(self, lean: LeanModel, prefill_chunk_tokens: int = 2048) -> None:
+        if prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
+        self.lean = lean
+        self.model = lean.model
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._token_ids: list[int] = []
+        self._keys = self._values = self._empty(0)  # [layers, kv_heads, capacity, d]
+
+    def _empty(self, capacity: int) -> torch.Tensor:
+        lean = self.lean
+        return torch.empty(
+            lean.num_layers, lean.kv_heads, capacity, lean.head_dim, dtype=lean.dtype, device=lean.device
+        )
+
+    @property
+    def length(self) -> int:
+        """Number of tokens whose keys/values are held."""
+        return len(self._token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens held, in order (a copy)."""
+        return list(self._token_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lean.device
+
+    @property
+    def capacity(self) -> int:
+        """Positions the buffers can hold before they grow."""
+        return self._keys.shape[2]
+
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` positions (growing by ROOM_GROWTH, rounded up to ROOM_QUANTUM)."""
+        if length <= self.capacity:
+            return
+        grown = int(ROOM_GROWTH * self.capacity) if self.length else 0
+        capacity = -(-max(length, grown) // ROOM_QUANTUM) * ROOM_QUANTUM
+        keys, values = self._empty(capacity), self._empty(capacity)
+        held = self.length
+        keys[:, :, :held].copy_(self._keys[:, :, :held])
+        values[:, :, :held].copy_(self._values[:, :, :held])
+        self._keys, self._values = keys, values
+
+    def forward(self, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
+        """Append ``token_ids`` and return float32 logits [num_logits, V] of the last ``num_logits`` of them."""
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        if not 1 <= num_logits <= len(token_ids):
+            raise ValueError(f"num_logits must be in [1, {len(token_ids)}], got {num_logits}")
+        start = self.length
+        self.reserve(start + len(token_ids))
+        input_ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)  # [T]
+        logits = self.lean.forward(input_ids, self._keys, self._values, start, num_logits)
+        self._token_ids.extend(int(t) for t in token_ids)
+        return logits.float()  # [num_logits, V]
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """Append a long sequence in chunks; logits after the last token ([1, V]) or None."""
+        self.reserve(self.length + len(token_ids))
+        logits = None
+        for start in range(0, len(token_ids), self.prefill_chunk_tokens):
+            logits = self.forward(token_ids[start : start + self.prefill_chunk_tokens], num_logits=1)
+        return logits
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (rollback of rejected tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
+        del self._token_ids[length:]
+
+    def clone(self) -> "LeanKVCache":
+        """An independent copy with the same capacity."""
+        twin = LeanKVCache(self.lean, self.prefill_chunk_tokens)
+        twin._keys, twin._values = self._empty(self.capacity), self._empty(self.capacity)
+        twin._keys[:, :, : self.length].copy_(self._keys[:, :, : self.length])
+        twin._values[:, :, : self.length].copy_(self._values[:, :, : self.length])
+        twin._token_ids = list(self._token_ids)
+        return twin
+
+    def memory_bytes(self) -> int:
+        """Bytes allocated for the key/value buffers (reserved room included)."""
+        return self._keys.nbytes + self._values.nbytes
