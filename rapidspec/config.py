@@ -14,6 +14,7 @@ from rapidspec.errors import RapidspecError
 
 Mode = Literal["lc", "rag", "sd", "ragsd", "rapid"]
 MODES: tuple[str, ...] = ("lc", "rag", "sd", "ragsd", "rapid")
+GAMMA_SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "cost")
 # What each mode feeds the target and the drafter (DESIGN.md section 2).
 TARGET_READS_RETRIEVED = {"rag"}
 USES_DRAFTER = {"sd", "ragsd", "rapid"}
@@ -35,6 +36,10 @@ class DecodeConfig:
     * ``gamma``: drafted tokens per round. ``gamma_schedule="heuristic"``
       grows it by 2 after a fully accepted round and shrinks it by 1 otherwise
       (between 1 and ``max_gamma``), as transformers' assisted generation does.
+      ``"cost"`` drafts ``gamma`` in the first round, then the k in
+      [0, ``max_gamma``] (1 when eta > 0) with the most expected tokens per
+      second from the step costs and acceptance measured so far; k = 0 is a
+      plain target step (:mod:`rapidspec.gamma_schedule`).
     * ``draft_confidence``: a round stops drafting after a token the drafter
       gave a probability below this (q at temperature 1 when greedy, else the
       filtered q it was sampled from); 0 = always draft ``gamma`` tokens. The
@@ -54,7 +59,7 @@ class DecodeConfig:
     mode: Mode = "rapid"
     eta: float | None = None
     gamma: int = 6
-    gamma_schedule: Literal["constant", "heuristic"] = "constant"
+    gamma_schedule: Literal["constant", "heuristic", "cost"] = "constant"
     max_gamma: int = 16
     draft_confidence: float = 0.0
     temperature: float = 0.0
@@ -78,8 +83,8 @@ class DecodeConfig:
                 raise RapidspecError(f"eta applies to mode 'rapid' only; mode {self.mode!r} uses eta = 0")
         if not isinstance(self.gamma, int) or self.gamma < 1:
             raise RapidspecError(f"gamma must be an integer >= 1, got {self.gamma}")
-        if self.gamma_schedule not in ("constant", "heuristic"):
-            raise RapidspecError(f"gamma_schedule must be 'constant' or 'heuristic', got {self.gamma_schedule!r}")
+        if self.gamma_schedule not in GAMMA_SCHEDULES:
+            raise RapidspecError(f"gamma_schedule must be one of {', '.join(GAMMA_SCHEDULES)}, got {self.gamma_schedule!r}")
         if self.max_gamma < self.gamma:
             raise RapidspecError(f"max_gamma ({self.max_gamma}) must be >= gamma ({self.gamma})")
         if not (0.0 <= self.draft_confidence < 1.0):
@@ -112,6 +117,11 @@ class DecodeConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def from_options(cls, config: DecodeConfig | None, options: dict) -> DecodeConfig:
+        """``config`` with ``options`` (field values) changed, or a new config of ``options`` when it is None."""
+        return config.with_(**options) if config is not None else cls(**options)
 
     def with_(self, **changes) -> "DecodeConfig":
         """A copy with some fields changed (validated again)."""

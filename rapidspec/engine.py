@@ -8,16 +8,17 @@ reused through :mod:`rapidspec.prefix_cache`. One round of speculative
 decoding (modes ``sd``, ``ragsd``, ``rapid``)::
 
     1 prefill   target cache <- target prompt[:-1], drafter cache <- drafter prompt[:-1]
-    2 draft     drafter feeds its pending tokens, then drafts k tokens one by one
-                (fewer when a draft's probability is below ``draft_confidence``)
+    2 draft     drafter feeds its pending tokens, then drafts k tokens one by one, k from
+                the gamma schedule (fewer when a draft's q is below ``draft_confidence``;
+                none when the ``cost`` schedule makes the round a plain target step)
     3 verify    target feeds [pending, x_1..x_k] in ONE forward -> logits z_1..z_{k+1}
     4 accept    keep the longest accepted prefix x_1..x_n, then emit one token from
                 the residual (n < k) or from p^ at position k+1 (bonus, n = k); with
                 eta > 0 the bonus needs q there, so only then the drafter feeds x_k
     5 roll back both caches to the committed tokens (minus the pending last one)
 
-The math of step 4 lives in :mod:`rapidspec.sampling`; the caches in
-:mod:`rapidspec.cache`. Modes ``lc`` and ``rag`` run the plain loop.
+The math of step 4 lives in :mod:`rapidspec.sampling`; the caches in :mod:`rapidspec.cache`;
+the choice of k in :mod:`rapidspec.gamma_schedule`. Modes ``lc`` and ``rag`` run the plain loop.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ from collections.abc import Iterator
 import torch
 
 from rapidspec import sampling
-from rapidspec.cache import KVCache
 from rapidspec.config import DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
 from rapidspec.errors import RapidspecError
+from rapidspec.gamma_schedule import GammaSchedule, new_schedule
 from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
 from rapidspec.prefix_cache import GIB, PrefixCache
 from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts
-from rapidspec.stats import GenerationStats
+from rapidspec.runtime import new_kv_cache
+from rapidspec.stats import GenerationStats, RoundRecord
 from rapidspec.text_stream import TextAssembler
 from rapidspec.vocabulary import check_same_vocabulary, eos_token_ids, logit_width
 
@@ -46,10 +48,6 @@ logger = logging.getLogger(__name__)
 # Reuse a stored target cache only when it saves at least this many tokens.
 MIN_REUSED_PREFIX_TOKENS = 64
 DEFAULT_PREFIX_CACHE_GIB = 2.0
-
-
-def _config(config: DecodeConfig | None, options: dict) -> DecodeConfig:
-    return config.with_(**options) if config is not None else DecodeConfig(**options)
 
 
 def _sync(device: torch.device) -> None:
@@ -120,7 +118,7 @@ class Rapid:
         pass a ready ``config``; ``query`` is what retrieval searches for
         (default: the question); the rest as in :meth:`decode`.
         """
-        config = _config(config, options)
+        config = DecodeConfig.from_options(config, options)
         prompts = self.document_prompts(document, question, config, query=query)
         yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer)
 
@@ -142,7 +140,7 @@ class Rapid:
         ``documents``: texts or ``{"title", "text"}``; without them the earlier
         turns are the drafter's corpus (:mod:`rapidspec.conversation`).
         """
-        config = _config(config, options)
+        config = DecodeConfig.from_options(config, options)
         prompts = self.chat_prompts(messages, config, documents=documents, query=query, recent_messages=recent_messages)
         yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer)
 
@@ -174,27 +172,25 @@ class Rapid:
         generator: torch.Generator | None = None,
         profile: bool = False,
         observer=None,
+        schedule: GammaSchedule | None = None,
     ) -> Iterator[StreamChunk]:
         """Prefill and decode ``prompts`` (from :meth:`document_prompts` or :meth:`chat_prompts`).
 
         ``generator`` overrides the seeded one for sampling; ``profile`` syncs
         the device around each phase (exact times on GPUs); ``observer(target_cache,
         target_seq, drafter_cache, drafter_seq)`` is called after every round's
-        rollback (read only). Closing the iterator stops after the current round.
+        rollback (read only); ``schedule`` replaces the gamma schedule the config
+        names (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops after the current round.
         """
-        stats = GenerationStats(mode=config.mode, eta=config.effective_eta, gamma=config.gamma)
+        stats = GenerationStats.starting(config, prompts)
         target_device = self.target.model.device
         if generator is None:
             generator = torch.Generator(device=target_device)
             generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
-        if (found := prompts.retrieval) is not None:
-            stats.retrieval_seconds, stats.retrieved_tokens, stats.retrieved_chunks = found.seconds, found.num_tokens, len(found.chunks)
-        stats.document_tokens_truncated = prompts.truncated_tokens
 
         with torch.inference_mode():
             # 1 prefill
             target_seq = list(prompts.target_ids)
-            stats.prompt_tokens_target = len(target_seq)
             started = time.perf_counter()
             use_store = self.reuse_document_cache and not prompts.target_reads_retrieved
             target_cache = self._prefill_target(target_seq, stats, use_store)
@@ -204,9 +200,8 @@ class Rapid:
             drafter_cache = drafter_seq = None
             if prompts.drafter_ids is not None:
                 drafter_seq = list(prompts.drafter_ids)
-                stats.prompt_tokens_drafter = len(drafter_seq)
                 started = time.perf_counter()
-                drafter_cache = KVCache(self.drafter.model, self.prefill_chunk_tokens)
+                drafter_cache = new_kv_cache(self.drafter, self.prefill_chunk_tokens)
                 drafter_cache.prefill(drafter_seq[:-1])
                 _sync(self.drafter.model.device)
                 stats.drafter_prefill_seconds = time.perf_counter() - started
@@ -216,7 +211,7 @@ class Rapid:
             try:
                 yield from self._decode(
                     config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, prompts, profile,
-                    observer,
+                    observer, schedule or new_schedule(config),
                 )
             except GeneratorExit:
                 if use_store:
@@ -238,34 +233,37 @@ class Rapid:
                                  f"{self.target.max_context}-token window", param="max_tokens", code="context_length_exceeded")
         return target_window, max(16, self.drafter.max_context - config.max_new_tokens)
 
-    def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool) -> KVCache:
+    def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool):
         """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix."""
         wanted = token_ids[:-1]
         cache = None
         if use_store:
             cache, stats.target_prefill_reused_tokens = self.prefix_cache.lookup(wanted)
         if cache is None:
-            cache = KVCache(self.target.model, self.prefill_chunk_tokens)
+            cache = new_kv_cache(self.target, self.prefill_chunk_tokens)
         cache.prefill(wanted[cache.length :])
         return cache
 
     def _decode(
-        self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, prompts, profile, observer
+        self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, prompts, profile, observer,
+        schedule,
     ):
         prompt_length = len(target_seq)
         drafter_prompt_length = len(drafter_seq) if drafter_seq is not None else 0
         assembler = TextAssembler(self.tokenizer, config.stop)
-        gamma = config.gamma
+        sync = profile or config.gamma_schedule == "cost"  # the cost schedule needs exact step times
         started = time.perf_counter()
         while True:
             remaining = config.max_new_tokens - (len(target_seq) - prompt_length)
             if drafter_cache is None:
                 emitted = self._plain_step(config, generator, target_cache, target_seq)
             else:
-                emitted, gamma = self._speculative_step(
-                    config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq,
-                    min(gamma, remaining - 1), profile,
+                emitted, measured = self._speculative_step(
+                    config, generator, target_cache, target_seq, drafter_cache, drafter_seq,
+                    min(schedule.next_drafts(), remaining - 1), sync,
                 )
+                stats.add_round(measured)
+                schedule.record(measured)
             # 5 commit: stop at EOS and at max_new_tokens, then roll back the caches
             finished = ""
             for index, token in enumerate(emitted):
@@ -330,8 +328,8 @@ class Rapid:
         filtered = sampling.filter_logits(logits[None].to(device), config.top_k, config.top_p)  # [1, V]
         return (filtered / config.temperature).softmax(-1)[0]
 
-    def _speculative_step(self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, k, profile):
-        """One draft/verify round; returns (emitted tokens, gamma for the next round)."""
+    def _speculative_step(self, config, generator, target_cache, target_seq, drafter_cache, drafter_seq, k, sync):
+        """One draft/verify round of k drafts (``sync``: time the devices exactly); returns (emitted tokens, its record)."""
         eta, alpha = config.effective_eta, config.draft_gate
         greedy, confidence = config.greedy, config.draft_confidence
         target_device = target_cache.device
@@ -359,28 +357,28 @@ class Rapid:
                 if position == k - 1 or unsure or self._ends_generation(token, config):
                     break  # nothing to draft after EOS; an unsure draft likely ends the accepted run
                 logits = self._logits(drafter_cache.forward([token], 1))[0]
-        if profile:
+        if sync:
             _sync(drafter_device)
-        stats.draft_seconds += time.perf_counter() - started
+        draft_seconds = time.perf_counter() - started
 
         # 3 verify: one target forward over [pending, x_1..x_k].
         started = time.perf_counter()
         pending = target_seq[target_cache.length :]
         target_logits = self._logits(target_cache.forward(pending + drafts, num_logits=len(drafts) + 1))  # [k+1, V]
-        if profile:
+        if sync:
             _sync(target_device)
-        stats.verify_seconds += time.perf_counter() - started
+        verify_seconds = time.perf_counter() - started
 
         # 4 accept
         started = time.perf_counter()
-        bonus_seconds = 0.0  # drafter time inside step 4, counted as drafting
+        bonus_row, bonus_seconds = None, 0.0  # drafter time inside step 4 counts as drafting
         draft_tensor = torch.tensor(drafts, dtype=torch.long, device=target_device)  # [k]
         rows = torch.stack(draft_rows) if draft_rows else None  # [k, V]
         if greedy:
             choices = sampling.greedy_target_choices(target_logits, rows, eta, alpha)  # [k+1]
             accepted = sampling.greedy_accepted_length(draft_tensor, choices)
             bonus_row, bonus_seconds = self._bonus_row(
-                config, drafter_cache, drafter_seq, drafts, accepted, target_device, profile
+                config, drafter_cache, drafter_seq, drafts, accepted, target_device, sync
             )
             if bonus_row is not None:
                 bonus = slice(accepted, accepted + 1)
@@ -404,30 +402,23 @@ class Rapid:
                 next_token = int(sampling.sample(residual, generator)[0])
             else:
                 bonus_row, bonus_seconds = self._bonus_row(
-                    config, drafter_cache, drafter_seq, drafts, accepted, target_device, profile
+                    config, drafter_cache, drafter_seq, drafts, accepted, target_device, sync
                 )
                 if bonus_row is not None:
                     augmented_probs[i] = sampling.augmented_logits(
                         scaled[i], target_probs[i], bonus_row[None], eta, alpha
                     ).softmax(-1)
                 next_token = int(sampling.sample(augmented_probs[i], generator)[0])
-        if profile:
+        if sync:
             _sync(target_device)
-        stats.accept_seconds += time.perf_counter() - started - bonus_seconds
-        stats.draft_seconds += bonus_seconds
-        if drafts:
-            stats.record_round(len(drafts), accepted)
-        else:
-            stats.rounds += 1
-
-        next_gamma = config.gamma
-        if config.gamma_schedule == "heuristic" and drafts:
-            current = len(drafts)
-            next_gamma = min(config.max_gamma, current + 2) if accepted == current else max(1, current - 1)
-        return drafts[:accepted] + [next_token], next_gamma
+        measured = RoundRecord(
+            len(drafts), accepted, draft_seconds + bonus_seconds, len(drafts) + (bonus_row is not None), verify_seconds,
+            time.perf_counter() - started - bonus_seconds, len(pending) + len(drafts),
+        )
+        return drafts[:accepted] + [next_token], measured
 
     def _bonus_row(
-        self, config, drafter_cache, drafter_seq, drafts, accepted, target_device, profile
+        self, config, drafter_cache, drafter_seq, drafts, accepted, target_device, sync
     ) -> tuple[torch.Tensor | None, float]:
         """The drafter's row at the bonus position k + 1 ([V] or None) and the seconds it took.
 
@@ -443,7 +434,7 @@ class Rapid:
         unfed = (drafter_seq + drafts)[drafter_cache.length :]
         logits = self._logits(drafter_cache.forward(unfed, 1))[0]  # [V]
         row = self._draft_row(logits, config, target_device)
-        if profile:
+        if sync:
             _sync(drafter_cache.device)
         return row, time.perf_counter() - started
 

@@ -3,12 +3,27 @@
 Counting follows vLLM's ``SpecDecodingStats``: a *round* drafts some tokens,
 the target verifies them in one forward pass, ``accepted`` of them are kept and
 one more token (the correction or the bonus) is emitted by the target.
-``mean_accepted_length = 1 + accepted / rounds``.
+``mean_accepted_length = 1 + accepted / rounds``. A *plain round* drafted
+nothing (the ``cost`` gamma schedule found drafting not worth it, or one token
+was left): one target step; it counts as a round.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What one draft/verify round did and cost, as the engine measured it."""
+
+    drafted: int  # drafts verified (k; 0 = a plain round)
+    accepted: int  # leading drafts kept (<= drafted)
+    draft_seconds: float  # drafter time, the forward at the bonus position included
+    drafter_forwards: int  # drafter forward passes in draft_seconds
+    verify_seconds: float  # the target forward
+    accept_seconds: float  # the acceptance math of step 4, drafter time excluded
+    verified: int  # tokens the target forward fed (pending + drafted)
 
 
 @dataclass
@@ -18,6 +33,7 @@ class GenerationStats:
     mode: str = "lc"
     eta: float = 0.0
     gamma: int = 0
+    gamma_schedule: str = "constant"
     prompt_tokens_target: int = 0
     prompt_tokens_drafter: int = 0
     document_tokens_truncated: int = 0
@@ -34,15 +50,36 @@ class GenerationStats:
     accept_seconds: float = 0.0
     new_tokens: int = 0
     rounds: int = 0
+    plain_rounds: int = 0  # rounds that drafted nothing
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     stop_reason: str = ""
 
+    @classmethod
+    def starting(cls, config, prompts) -> GenerationStats:
+        """The stats of decoding ``prompts`` (a PromptPair) with ``config`` (a DecodeConfig), before the first round."""
+        stats = cls(mode=config.mode, eta=config.effective_eta, gamma=config.gamma, gamma_schedule=config.gamma_schedule)
+        stats.prompt_tokens_target = len(prompts.target_ids)
+        stats.prompt_tokens_drafter = len(prompts.drafter_ids) if prompts.drafter_ids is not None else 0
+        if (found := prompts.retrieval) is not None:
+            stats.retrieval_seconds, stats.retrieved_tokens = found.seconds, found.num_tokens
+            stats.retrieved_chunks = len(found.chunks)
+        stats.document_tokens_truncated = prompts.truncated_tokens
+        return stats
+
+    def add_round(self, round_: RoundRecord) -> None:
+        """Count a round and add its times to draft, verify and accept seconds."""
+        self.record_round(round_.drafted, round_.accepted)
+        self.draft_seconds += round_.draft_seconds
+        self.verify_seconds += round_.verify_seconds
+        self.accept_seconds += round_.accept_seconds
+
     def record_round(self, drafted: int, accepted: int) -> None:
-        """Count one round that drafted ``drafted`` tokens and kept ``accepted``."""
+        """Count one round that drafted ``drafted`` tokens (0: a plain round) and kept ``accepted``."""
         self.rounds += 1
+        self.plain_rounds += int(drafted == 0)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         grow = drafted - len(self.drafted_per_position)
@@ -63,6 +100,11 @@ class GenerationStats:
     def mean_accepted_length(self) -> float | None:
         """1 + accepted / rounds: tokens emitted per target forward pass."""
         return 1.0 + self.accepted_tokens / self.rounds if self.rounds else None
+
+    @property
+    def mean_drafts_per_round(self) -> float | None:
+        """drafted / rounds: the mean k a gamma schedule drafted, plain rounds counting 0."""
+        return self.drafted_tokens / self.rounds if self.rounds else None
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -87,6 +129,7 @@ class GenerationStats:
         for name in (
             "acceptance_rate",
             "mean_accepted_length",
+            "mean_drafts_per_round",
             "per_position_acceptance",
             "decode_tokens_per_second",
             "total_seconds",

@@ -7,6 +7,8 @@ import torch
 
 from rapidspec import DecodeConfig, Rapid
 from rapidspec.errors import RapidspecError
+from rapidspec.gamma_schedule import PROBE_DRAFTS, PROBE_EVERY, CostSchedule, StepCosts
+from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
 
 DOCUMENT = "\n\n".join(
@@ -186,3 +188,75 @@ def test_rag_mode_reads_only_the_retrieved_text(tiny_model, lc_output):
     assert out.stats.prompt_tokens_drafter == 0 and out.stats.rounds == 0
     assert out.retrieval is not None
     assert all(DOCUMENT[c.char_start : c.char_end] == c.text for c in out.retrieval.chunks)
+
+
+# ------------------------------------------------------------ gamma_schedule="cost"
+# Drafting 10x dearer than a plain step: the cost schedule makes rounds plain steps.
+DEAR_DRAFTS = StepCosts(draft_step=1.0, verify_base=0.1, verify_per_token=0.01)
+
+
+def decode_with(rapid: Rapid, config: DecodeConfig, schedule, observer=None):
+    prompts = rapid.document_prompts(DOCUMENT, QUESTION, config)
+    return last_output(rapid.decode(prompts, config, schedule=schedule, observer=observer))
+
+
+@pytest.mark.parametrize("mode", ["sd", "ragsd", "rapid"])
+@pytest.mark.parametrize("drafter_kind", ["self", "random"])
+def test_cost_schedule_greedy_eta_zero_equals_lc(tiny_model, other_tiny_model, lc_output, mode, drafter_kind):
+    """Invariant 1 with k chosen from measured costs (whatever it chooses)."""
+    drafter = None if drafter_kind == "self" else other_tiny_model
+    out = engine(tiny_model, drafter).generate(
+        DOCUMENT, QUESTION, mode=mode, eta=0.0, gamma=4, gamma_schedule="cost", max_new_tokens=40
+    )
+    assert out.token_ids == lc_output.token_ids
+    assert out.stats.gamma_schedule == "cost"
+    assert out.stats.drafted_per_position[0] >= 1  # the first round drafts gamma
+    assert out.stats.rounds - out.stats.plain_rounds == out.stats.drafted_per_position[0]
+
+
+def test_cost_schedule_with_dear_drafts_takes_plain_steps(tiny_model, lc_output):
+    """k = 0 is chosen after the first round; probes of PROBE_DRAFTS every PROBE_EVERY rounds; caches stay exact.
+
+    Self-drafting in ``sd`` accepts everything: round 1 drafts 4 (5 tokens),
+    then 7 plain rounds and a probe of 2 (3 tokens), three times (30 tokens),
+    then 5 plain rounds: 40 tokens in 30 rounds, 26 of them plain.
+    """
+    assert (PROBE_EVERY, PROBE_DRAFTS) == (8, 2) and len(lc_output.token_ids) == 40
+    checked = []
+
+    def observer(target_cache, target_seq, drafter_cache, drafter_seq):
+        for cache, seq in ((target_cache, target_seq), (drafter_cache, drafter_seq)):
+            assert cache.token_ids == seq[: cache.length]  # the drafter lags behind after plain rounds
+            cached = cache.clone().forward(seq[cache.length :], num_logits=1)[0]
+            fresh = cache.model(torch.tensor([seq]), use_cache=False).logits[0, -1].float()
+            torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
+        checked.append(len(drafter_seq) - drafter_cache.length)
+
+    config = DecodeConfig(mode="sd", gamma=4, gamma_schedule="cost", max_new_tokens=40)
+    out = decode_with(engine(tiny_model), config, CostSchedule(4, 16, 0.0, fixed_costs=DEAR_DRAFTS), observer)
+    assert out.token_ids == lc_output.token_ids
+    stats = out.stats
+    assert (stats.rounds, stats.plain_rounds, stats.drafted_tokens, stats.accepted_tokens) == (30, 26, 10, 10)
+    assert stats.drafted_per_position == [4, 4, 1, 1]
+    assert stats.mean_drafts_per_round == pytest.approx(10 / 30)
+    assert stats.to_dict()["plain_rounds"] == 26 and stats.to_dict()["mean_drafts_per_round"] == pytest.approx(1 / 3)
+    # the drafter feeds at the probe: 2 tokens pending after a fully accepted round, + 7 plain rounds' tokens
+    assert max(checked) == 2 + PROBE_EVERY - 1
+
+
+@pytest.mark.parametrize("drafter_kind", ["self", "random"])
+def test_cost_schedule_with_dear_drafts_still_drafts_one_when_eta_is_positive(
+    tiny_model, other_tiny_model, drafter_kind
+):
+    """p^ needs q at every verified position: with eta > 0 a round drafts at least one token (k_min = 1)."""
+    drafter = None if drafter_kind == "self" else other_tiny_model
+    config = DecodeConfig(mode="rapid", eta=2.0, gamma=4, gamma_schedule="cost", max_new_tokens=30)
+    rapid = engine(tiny_model, drafter)
+    constant_one = rapid.generate(DOCUMENT, QUESTION, config=config.with_(gamma=1, gamma_schedule="constant"))
+    out = decode_with(rapid, config, CostSchedule(4, 16, 2.0, fixed_costs=DEAR_DRAFTS))
+    stats = out.stats
+    assert stats.drafted_per_position[0] == stats.rounds - stats.plain_rounds
+    assert stats.drafted_per_position[1:] == [1, 1, 1]  # only the first round drafted more than one
+    assert stats.plain_rounds <= 1  # only a last round with one token left drafts nothing
+    # greedy choices argmax(z + eta * g) depend on the prefix only, so any k gives the same tokens
+    assert out.token_ids == constant_one.token_ids

@@ -17,8 +17,10 @@ import torch
 from scipy.stats import chisquare
 from transformers import GenerationConfig, LlamaConfig
 
-from rapidspec import Rapid
+from rapidspec import DecodeConfig, Rapid
+from rapidspec.gamma_schedule import CostSchedule, StepCosts
 from rapidspec.models import LoadedModel
+from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
 
 DOCUMENT = "\n\n".join(f"Line {i} of a short note about apples and pears." for i in range(30))
@@ -125,6 +127,46 @@ def test_sampled_sequences_follow_the_target(markov_pair, mode, eta, confidence)
             draft_confidence=confidence, generator=generator,
         )
         counts[tuple(index[t] for t in out.token_ids)] += 1
+    expected = expected_joint(eta, 0.1, 3).ravel() * n
+    assert chisquare(counts.ravel(), expected * (n / expected.sum())).pvalue > 1e-4
+
+
+# With a flat verify cost, drafting k = 1 pays iff a_1 > draft_step / verify = 0.5: after round 1
+# (gamma = 1) a_1 is 0.75 if its draft was accepted, 0.25 if not, so later rounds depend on history.
+HISTORY_DEPENDENT_COSTS = StepCosts(draft_step=0.5, verify_base=1.0, verify_per_token=0.0)
+
+
+@pytest.mark.parametrize(("mode", "eta"), [("ragsd", 0.0), ("rapid", 3.0)])
+def test_cost_schedule_sampled_sequences_follow_the_target(markov_pair, mode, eta):
+    """Invariants 2 and 3 when the cost schedule chooses each round's k from the acceptance so far.
+
+    The costs are fixed so the choice depends on the history: with eta = 0,
+    k = 0 (a plain step) after a rejected first draft and k = 1 after an
+    accepted one; with eta = 3 (k_min = 1, bonus forward counted), k = 1 after
+    a rejection, 2 after an acceptance. 3000 answers of 5 tokens; chi-square
+    over the 64 outcomes of the first 3 tokens, which rounds of every kind
+    produce. With a correct engine each case fails with probability 1e-4.
+    """
+    target, drafter, states = markov_pair
+    rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)  # 3000 stored caches: slow
+    config = DecodeConfig(mode=mode, eta=eta, gamma=1, gamma_schedule="cost", temperature=1.0, max_new_tokens=5)
+    prompts = rapid.document_prompts(DOCUMENT, QUESTION, config)
+    generator = torch.Generator().manual_seed(12)
+    n = 3000
+    index = {s: i for i, s in enumerate(states)}
+    counts = np.zeros((4, 4, 4))
+    plain_rounds = drafted_again = drafted_two = 0
+    for _ in range(n):
+        schedule = CostSchedule(config.gamma, config.max_gamma, eta, fixed_costs=HISTORY_DEPENDENT_COSTS)
+        out = last_output(rapid.decode(prompts, config, generator=generator, schedule=schedule))
+        counts[tuple(index[t] for t in out.token_ids[:3])] += 1
+        plain_rounds += out.stats.plain_rounds
+        drafted_again += out.stats.drafted_per_position[0] >= 2  # a later round drafted too
+        drafted_two += len(out.stats.drafted_per_position) >= 2  # a later round drafted 2 (round 1 drafts 1)
+    if eta == 0:  # about 2 plain rounds per answer, 70% of answers draft again
+        assert plain_rounds > n and drafted_again > n / 2
+    else:  # 95% of answers draft 2 in a round; a plain round only when one token is left
+        assert plain_rounds < n / 4 and drafted_two > n / 2
     expected = expected_joint(eta, 0.1, 3).ravel() * n
     assert chisquare(counts.ravel(), expected * (n / expected.sum())).pvalue > 1e-4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields, replace
 
-from rapidspec.config import MODES, DecodeConfig
+from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.quantization import QUANTIZATIONS
 from rapidspec.retrieval import METHODS, RetrievalConfig
@@ -33,8 +33,10 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
         group.add_argument("--mode", default=_DEFAULT_DECODE.mode, choices=MODES, help="lc, rag, sd, ragsd or rapid (default: rapid)")
     group.add_argument("--eta", type=float, default=None, help="retrieval-augmented target strength (rapid only; default 2)")
     group.add_argument("--gamma", type=int, default=_DEFAULT_DECODE.gamma, help="drafted tokens per round (default: %(default)s)")
-    group.add_argument("--gamma-schedule", default=_DEFAULT_DECODE.gamma_schedule, choices=["constant", "heuristic"], help="adapt gamma to acceptance (default: constant)")
-    group.add_argument("--max-gamma", type=int, default=_DEFAULT_DECODE.max_gamma, help="largest gamma of the heuristic schedule")
+    group.add_argument("--gamma-schedule", default=_DEFAULT_DECODE.gamma_schedule, choices=GAMMA_SCHEDULES,
+                       help="constant; heuristic (adapt gamma to acceptance); cost (choose each round's drafts, 0 = a plain "
+                            "step, from measured step costs and acceptance) (default: %(default)s)")
+    group.add_argument("--max-gamma", type=int, default=_DEFAULT_DECODE.max_gamma, help="largest gamma of the heuristic and cost schedules")
     group.add_argument("--draft-confidence", type=float, default=_DEFAULT_DECODE.draft_confidence,
                        help="stop a round's drafting after a draft the drafter gave a probability below this; 0 = off (default: %(default)s)")
     group.add_argument("--temperature", type=float, default=_DEFAULT_DECODE.temperature, help="0 = greedy (default: 0)")
