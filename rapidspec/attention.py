@@ -9,8 +9,9 @@ public ``AttentionInterface`` (and the same masks as ``sdpa`` through
 ``AttentionMaskInterface``); load a model with ``attn_implementation=ATTENTION``
 to use it. Nothing of transformers is patched. Two paths:
 
-* **Short queries on CPU** (decode steps and verification, at most
-  :data:`MATMUL_MAX_QUERY` tokens): the query heads of each key/value group
+* **Short queries on CPU over long caches of wide heads** (decode steps and
+  verification, at most :data:`MATMUL_MAX_QUERY` tokens, see
+  :func:`matmul_path_pays`): the query heads of each key/value group
   are stacked into one matrix, so attention is two matrix products per
   key/value head straight on the cached keys and values (no head repetition,
   no upcast of the cache), with the softmax computed in float32. On 2 CPU cores, per layer of Qwen2.5-1.5B
@@ -22,7 +23,7 @@ to use it. Nothing of transformers is patched. Two paths:
   copies of the scores.
   Only the last ``q_len`` keys can be masked by causality, so when the mask
   allows every earlier key, only that tail is masked.
-* **Everything else** (prefill chunks, GPUs): PyTorch's
+* **Everything else** (prefill chunks, short caches, narrow heads, GPUs): PyTorch's
   ``scaled_dot_product_attention(..., enable_gqa=True)``, which reads the
   grouped heads directly.
 """
@@ -36,6 +37,23 @@ from transformers.masking_utils import sdpa_mask
 ATTENTION = "rapidspec_sdpa_gqa"
 #: Longest query (tokens) that takes the matrix-product path on CPU.
 MATMUL_MAX_QUERY = 32
+#: The matrix-product path only pays on long caches of wide heads. Per 28-30
+#: layers on 2 cores in bfloat16 (PyTorch 2.13), one query: head_dim 128
+#: (Qwen2.5-1.5B) at 8K keys 33 ms vs 49 ms for SDPA, at 16K 64 vs 107 ms, but
+#: at 4K 18 vs 15 ms; head_dim 64 (SmolLM2, Qwen2.5-0.5B) SDPA was as fast or
+#: faster at every length from 528 keys (12.4 vs 1.9 ms) to 16K (66 vs 57 ms).
+MATMUL_MIN_HEAD_DIM = 128
+MATMUL_MIN_KEYS = 6144
+
+
+def matmul_path_pays(query: torch.Tensor, kv_len: int) -> bool:
+    """Whether a short query ([..., q_len, head_dim]) on CPU takes :func:`grouped_matmul_attention`."""
+    return (
+        query.device.type == "cpu"
+        and query.shape[-2] <= MATMUL_MAX_QUERY
+        and query.shape[-1] >= MATMUL_MIN_HEAD_DIM
+        and kv_len >= MATMUL_MIN_KEYS
+    )
 
 
 def grouped_matmul_attention(
@@ -104,7 +122,7 @@ def gqa_sdpa_attention(
         positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [q_len, 1]
         attention_mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, q, n]
     dropout_p = dropout if module.training else 0.0
-    if query.device.type == "cpu" and q_len <= MATMUL_MAX_QUERY and not use_causal_flag and dropout_p == 0.0:
+    if matmul_path_pays(query, kv_len) and not use_causal_flag and dropout_p == 0.0:
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         output = grouped_matmul_attention(query, key, value, attention_mask, scaling)

@@ -10,9 +10,10 @@ room reserved ahead instead of concatenated, so a decode step no longer copies
 the whole cache (at 16K tokens of Qwen2.5-1.5B that copy moved about 0.5 GB per
 step; ``torch.cat`` was 20% of a draft step even at 1K tokens).
 
-Convention used by the engine: after every round a cache holds every
-committed token except possibly the last one or two, which are fed at the start
-of the next forward pass (``pending`` tokens).
+Convention used by the engine: after every round a cache holds a prefix of
+the committed tokens; the rest (usually the last one or two, more for a drafter
+after plain rounds of the ``cost`` gamma schedule) are fed at the start of its
+next forward pass (``pending`` tokens).
 """
 
 from __future__ import annotations

@@ -3,12 +3,29 @@
 import pytest
 import torch
 
-from rapidspec.attention import grouped_matmul_attention, register
+from rapidspec import attention
+from rapidspec.attention import grouped_matmul_attention, matmul_path_pays, register
 from rapidspec.cache import KVCache
 from tests.conftest import make_tiny_model
 
 
-def test_gqa_attention_matches_sdpa(byte_tokenizer):
+@pytest.fixture(params=["matmul", "sdpa"])
+def short_query_path(request, monkeypatch):
+    """Run each model-level test with short queries on either path (the tiny heads never reach the thresholds)."""
+    if request.param == "matmul":
+        monkeypatch.setattr(attention, "MATMUL_MIN_HEAD_DIM", 0)
+        monkeypatch.setattr(attention, "MATMUL_MIN_KEYS", 0)
+    return request.param
+
+
+def test_matmul_path_only_for_long_caches_of_wide_heads():
+    wide, narrow = torch.empty(1, 12, 1, 128), torch.empty(1, 9, 1, 64)
+    assert matmul_path_pays(wide, 8192) and not matmul_path_pays(wide, 4096)
+    assert not matmul_path_pays(narrow, 16384)
+    assert not matmul_path_pays(torch.empty(1, 12, 64, 128), 8192)  # a prefill chunk
+
+
+def test_gqa_attention_matches_sdpa(byte_tokenizer, short_query_path):
     reference = make_tiny_model(5, byte_tokenizer).model
     native = make_tiny_model(5, byte_tokenizer).model
     native.set_attn_implementation(register())
@@ -27,7 +44,7 @@ def test_gqa_attention_matches_sdpa(byte_tokenizer):
             torch.testing.assert_close(step, full[287:288].float(), atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_steps_stay_within_bf16_rounding_of_sdpa(byte_tokenizer):
+def test_bf16_steps_stay_within_bf16_rounding_of_sdpa(byte_tokenizer, short_query_path):
     """In bfloat16 the matrix-product path (1-token step, 7-token verify) is as close to float32 as sdpa."""
     reference = make_tiny_model(6, byte_tokenizer).model.to(torch.bfloat16)
     native = make_tiny_model(6, byte_tokenizer).model.to(torch.bfloat16)

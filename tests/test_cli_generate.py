@@ -91,7 +91,7 @@ def test_self_drafter_follows_drafter_quantize(monkeypatch, tiny_model, target_q
 
     loads = []
 
-    def fake_load(name, dtype="auto", device="auto", quantize="none"):
+    def fake_load(name, dtype="auto", device="auto", quantize="none", runtime="auto"):
         loads.append(quantize)
         return replace(tiny_model, quantization=quantize)
 

@@ -7,6 +7,7 @@ from dataclasses import fields, replace
 
 from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
+from rapidspec.models import RUNTIMES
 from rapidspec.quantization import QUANTIZATIONS
 from rapidspec.retrieval import METHODS, RetrievalConfig
 
@@ -25,6 +26,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--drafter-quantize", default="none", choices=QUANTIZATIONS,
                        help="drafter weights: int8 or int4 make a CPU drafter step cheaper; with no --drafter, "
                             "a quantised copy of the target drafts (default: %(default)s)")
+    group.add_argument("--runtime", default="auto", choices=RUNTIMES,
+                       help="forward of both models: the lean forward of llama/qwen2 models (auto where it exists, lean "
+                            "to require it) or transformers' (default: %(default)s)")
 
 
 def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> None:
@@ -81,18 +85,20 @@ def load_models(args: argparse.Namespace):
     """(target, drafter or None) named by the model options."""
     from rapidspec.models import load_model, low_bit_copy
 
-    target = load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    runtime = getattr(args, "runtime", "auto")
+    target = load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize, runtime=runtime)
     drafter = None
     if args.drafter is not None:
         drafter = load_model(args.drafter, dtype=args.dtype, device=args.drafter_device or args.device,
-                             quantize=args.drafter_quantize)
+                             quantize=args.drafter_quantize, runtime=runtime)
     elif args.drafter_quantize not in ("none", args.quantize):
         # a self-drafter with other weights: a copy of the float target, or the target loaded again
         if args.quantize == "none":
             drafter = low_bit_copy(target, args.drafter_quantize, name="self")
         else:
             drafter = replace(
-                load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.drafter_quantize),
+                load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.drafter_quantize,
+                           runtime=runtime),
                 name="self",
             )
     return target, drafter

@@ -19,6 +19,7 @@ ROWS: tuple[tuple[str, object], ...] = (
     ("new tokens", lambda s: str(s.new_tokens)),
     ("decode tokens/s", lambda s: _num(s.decode_tokens_per_second, "{:.2f}")),
     ("rounds", lambda s: str(s.rounds)),
+    ("drafts per round (plain rounds)", lambda s: f"{s.mean_drafts_per_round:.2f} ({s.plain_rounds})" if s.drafted_tokens else "-"),
     ("drafted / accepted", lambda s: f"{s.drafted_tokens} / {s.accepted_tokens}" if s.drafted_tokens else "-"),
     ("acceptance rate", lambda s: _num(s.acceptance_rate, "{:.1%}")),
     ("mean accepted length", lambda s: _num(s.mean_accepted_length, "{:.2f}")),

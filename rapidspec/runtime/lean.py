@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rapidspec.attention import MATMUL_MAX_QUERY, grouped_matmul_attention
+from rapidspec.attention import grouped_matmul_attention, matmul_path_pays
+from rapidspec.quantization import Int8Linear
 
 #: model_type values of transformers configs the lean forward implements.
 LEAN_ARCHITECTURES = ("llama", "qwen2")
@@ -54,9 +55,55 @@ def lean_unsupported_reason(model) -> str | None:
     return None
 
 
+def _view_parameter(fused: torch.Tensor, start: int, stop: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(fused[start:stop], requires_grad=False)
+
+
+def fuse_linears(modules: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """One layer computing ``cat([m(x) for m in modules], -1)``, or None when they cannot be fused.
+
+    Plain ``nn.Linear`` layers and int8 layers of equal input width fuse; the
+    originals then hold views of the fused weights (same values, no second
+    copy in memory, transformers' forward unchanged). One product instead of
+    three (q, k, v) or two (gate, up) saves a kernel launch each, which on
+    small models costs about as much as the product.
+    """
+    kind = type(modules[0])
+    if kind not in (torch.nn.Linear, Int8Linear) or any(type(m) is not kind for m in modules):
+        return None
+    if len({m.in_features for m in modules}) != 1 or len({m.bias is None for m in modules}) != 1:
+        return None
+    widths = [m.out_features for m in modules]
+    bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
+    if kind is torch.nn.Linear:
+        weight = torch.cat([m.weight.detach() for m in modules])  # [sum(out), in]
+        fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    else:
+        weight = torch.cat([m.weight_int8 for m in modules])  # [sum(out), in] int8
+        fused = Int8Linear(weight, torch.cat([m.scales for m in modules]), None)
+    if bias is not None:
+        fused.bias = torch.nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for module, width in zip(modules, widths):
+        stop = start + width
+        if kind is torch.nn.Linear:
+            module.weight = _view_parameter(fused.weight, start, stop)
+        else:
+            module.weight_int8, module.scales = fused.weight_int8[start:stop], fused.scales[start:stop]
+        if bias is not None:
+            module.bias = _view_parameter(fused.bias, start, stop)
+        start = stop
+    return fused
+
+
 @dataclass(frozen=True, eq=False)
 class LeanLayer:
-    """The modules and norm weights of one decoder layer (shared with the loaded model)."""
+    """The modules and norm weights of one decoder layer (shared with the loaded model).
+
+    ``qkv`` and ``gate_up`` are the fused projections when :func:`fuse_linears`
+    could build them, else None (the separate modules run).
+    """
 
     input_norm: torch.Tensor  # [D]
     q_proj: torch.nn.Module
@@ -67,6 +114,22 @@ class LeanLayer:
     gate_proj: torch.nn.Module
     up_proj: torch.nn.Module
     down_proj: torch.nn.Module
+    qkv: torch.nn.Module | None = None
+    gate_up: torch.nn.Module | None = None
+
+    def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys, values of ``h`` [T, D]: [T, H*d], [T, KV*d], [T, KV*d]."""
+        if self.qkv is None:
+            return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        widths = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        return self.qkv(h).split(widths, dim=-1)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate(h)) * up(h))`` for ``h`` [T, D]."""
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -95,7 +158,7 @@ def causal_attention(
     if q_len > 1 and q_len != kv_len:
         positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [T, 1]
         mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, T, n]
-    if query.device.type == "cpu" and q_len <= MATMUL_MAX_QUERY and (q_len == 1 or mask is not None):
+    if matmul_path_pays(query, kv_len) and (q_len == 1 or mask is not None):
         return grouped_matmul_attention(query[None], keys[None], values[None], mask, scaling)[0]
     return F.scaled_dot_product_attention(
         query[None], keys[None], values[None], attn_mask=mask, scale=scaling,
@@ -129,6 +192,8 @@ class LeanModel:
                 gate_proj=layer.mlp.gate_proj,
                 up_proj=layer.mlp.up_proj,
                 down_proj=layer.mlp.down_proj,
+                qkv=fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                gate_up=fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj]),
             )
             for layer in base.layers
         ]
@@ -179,13 +244,14 @@ class LeanModel:
         x = self.embed(token_ids)  # [T, D]
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.eps)
-            query = layer.q_proj(h).view(q_len, self.heads, self.head_dim).transpose(0, 1)  # [H, T, d]
-            key = layer.k_proj(h).view(q_len, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
-            value = layer.v_proj(h).view(q_len, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
+            query, key, value = layer.project_qkv(h)
+            query = query.reshape(q_len, self.heads, self.head_dim).transpose(0, 1)  # [H, T, d]
+            key = key.reshape(q_len, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
+            value = value.reshape(q_len, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
             keys[index, :, start:end] = apply_rope(key, cos, sin)
             values[index, :, start:end] = value
             attended = causal_attention(apply_rope(query, cos, sin), keys[index, :, :end], values[index, :, :end], self.scaling)
             x = x + layer.o_proj(attended.transpose(0, 1).reshape(q_len, -1))
             h = rms_norm(x, layer.post_norm, self.eps)
-            x = x + layer.down_proj(F.silu(layer.gate_proj(h)) * layer.up_proj(h))
+            x = x + layer.mlp(h)
         return self.lm_head(rms_norm(x[-num_logits:], self.final_norm, self.eps))  # [num_logits, V]

@@ -56,7 +56,7 @@ class GenerationRequest(BaseModel):
     mode: Literal["lc", "rag", "sd", "ragsd", "rapid"] | None = None
     eta: float | None = Field(default=None, ge=0)
     gamma: int | None = Field(default=None, ge=1)
-    gamma_schedule: Literal["constant", "heuristic"] | None = None
+    gamma_schedule: Literal["constant", "heuristic", "cost"] | None = None
     max_gamma: int | None = Field(default=None, ge=1)
     draft_confidence: float | None = Field(default=None, ge=0, lt=1)
     top_k: int | None = Field(default=None, ge=0)

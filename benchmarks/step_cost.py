@@ -1,0 +1,192 @@
+"""Per-step costs of decoding against the memory-bandwidth roofline, per runtime.
+
+A decode step of a small model reads every weight once and the whole
+key/value cache once, so its floor is (weight bytes + cache bytes) divided by
+the machine's memory bandwidth. This script measures, in one process:
+
+* the read bandwidth (median of summing a buffer much larger than the caches),
+* for each context length: a target step (one token), a verify of
+  ``--verify-tokens`` tokens, and a drafter step on ``--drafter-tokens``
+  tokens of context (the retrieved text), each the median of ``--steps``
+  forwards after two warm-ups, for each ``--runtimes`` entry (``lean`` and
+  ``transformers`` side by side: the before and after of the lean forward);
+* each step's bytes, its roofline time and its ratio to it.
+
+    python benchmarks/step_cost.py --lengths 4096,8192 --drafter-quantize int8
+    python benchmarks/step_cost.py --target builtin:qwen2.5-coder-1.5b \\
+        --drafter builtin:qwen2.5-coder-0.5b --drafter-quantize int4 --lengths 16384
+
+Token ids are random (a step's cost does not depend on which tokens); the
+target and drafter share nothing but their weights' storage where a
+self-drafter is a quantised copy. Prints a table, then one JSON object as the
+last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from rapidspec.cache import KVCache
+from rapidspec.errors import RapidspecError
+from rapidspec.models import load_model, low_bit_copy
+from rapidspec.quantization import Int4Linear, Int8Linear
+from rapidspec.runtime.lean import LeanModel
+from rapidspec.runtime.lean_cache import LeanKVCache
+
+RUNTIMES = ("lean", "transformers")
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
+    """Bytes per second of summing a float32 buffer (filled, so pages are real), median of ``repeats``."""
+    buffer = torch.rand(megabytes * 2**20 // 4)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - started)
+    return buffer.nbytes / statistics.median(times)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a one-token forward reads from weights: every linear layer and norm (not the embedding table)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            tensors = (module.weight_int8, module.scales, module.bias)
+        elif isinstance(module, Int4Linear):
+            packed = module.kernel_weight if module.kernel_weight is not None else module.codes_packed
+            tensors = (packed, module.scales_and_zeros, module.bias)
+        elif isinstance(module, torch.nn.Linear):
+            tensors = (module.weight, module.bias)
+        elif type(module).__name__.endswith("RMSNorm"):
+            tensors = (module.weight,)
+        else:
+            continue
+        total += sum(t.nbytes for t in tensors if t is not None)
+    return total
+
+
+def cache_bytes(model: torch.nn.Module, length: int) -> int:
+    """Bytes of keys and values of ``length`` positions in the model's dtype."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    element = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * length * element
+
+
+def new_cache(loaded, runtime: str, chunk: int):
+    if runtime == "lean":
+        return LeanKVCache(loaded.lean or LeanModel(loaded.model), chunk)
+    return KVCache(loaded.model, chunk)
+
+
+def step_median(cache, tokens: list[int], steps: int) -> float:
+    """Median seconds of forwarding ``tokens`` (all logits kept) then rolling back."""
+    length = cache.length
+    times = []
+    for index in range(steps + 2):
+        started = time.perf_counter()
+        cache.forward(tokens, num_logits=len(tokens))
+        if index >= 2:
+            times.append(time.perf_counter() - started)
+        cache.crop(length)
+    return statistics.median(times)
+
+
+def measure(args, target, drafter, bandwidth: float, console: Console) -> list[dict]:
+    rows = []
+    vocab = min(target.model.config.vocab_size, len(target.tokenizer))
+    ids = torch.randint(0, vocab, (max(args.lengths) + 64,), generator=torch.Generator().manual_seed(0)).tolist()
+    target_weights, drafter_weights = weight_bytes(target.model), weight_bytes(drafter.model)
+    for runtime in args.runtimes:
+        drafter_cache = new_cache(drafter, runtime, args.prefill_chunk_tokens)
+        drafter_cache.prefill(ids[: args.drafter_tokens - 1])
+        drafter_step = step_median(drafter_cache, ids[args.drafter_tokens - 1 : args.drafter_tokens], args.steps)
+        drafter_bytes = drafter_weights + cache_bytes(drafter.model, args.drafter_tokens)
+        del drafter_cache
+        for length in args.lengths:
+            console.print(f"[dim]{runtime}: prefill {length} tokens[/dim]")
+            cache = new_cache(target, runtime, args.prefill_chunk_tokens)
+            started = time.perf_counter()
+            cache.prefill(ids[: length - 1])
+            prefill = time.perf_counter() - started
+            plain = step_median(cache, ids[length - 1 : length], args.steps)
+            verify = step_median(cache, ids[length - 1 : length - 1 + args.verify_tokens], args.steps)
+            plain_bytes = target_weights + cache_bytes(target.model, length)
+            rows.append({
+                "runtime": runtime, "length": length, "prefill_s": prefill, "prefill_tok_s": (length - 1) / prefill,
+                "plain_ms": 1e3 * plain, "plain_roofline_ms": 1e3 * plain_bytes / bandwidth,
+                "verify_tokens": args.verify_tokens, "verify_ms": 1e3 * verify, "verify_per_plain": verify / plain,
+                "drafter_tokens": args.drafter_tokens, "drafter_ms": 1e3 * drafter_step,
+                "drafter_roofline_ms": 1e3 * drafter_bytes / bandwidth,
+            })
+            del cache
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="builtin")
+    parser.add_argument("--drafter", default=None, help="drafter model (default: the target's weights)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--drafter-quantize", default="int8", choices=["none", "int8", "int4"])
+    parser.add_argument("--lengths", default="4096,8192", help="target context lengths (comma separated)")
+    parser.add_argument("--drafter-tokens", type=int, default=528, help="drafter context (retrieved tokens)")
+    parser.add_argument("--verify-tokens", type=int, default=7, help="tokens of one verify forward (gamma + 1)")
+    parser.add_argument("--steps", type=int, default=20, help="timed forwards per median")
+    parser.add_argument("--runtimes", default="lean,transformers")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=2048)
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+        args.runtimes = [x.strip() for x in args.runtimes.split(",") if x.strip()]
+        if not args.lengths or min(args.lengths) <= args.verify_tokens or args.drafter_tokens < 2:
+            raise RapidspecError("--lengths must be > --verify-tokens and --drafter-tokens >= 2")
+        if any(r not in RUNTIMES for r in args.runtimes):
+            raise RapidspecError(f"--runtimes takes {', '.join(RUNTIMES)}")
+        target = load_model(args.target, dtype=args.dtype)
+        if args.drafter is not None:
+            drafter = load_model(args.drafter, dtype=args.dtype, quantize=args.drafter_quantize)
+        elif args.drafter_quantize != "none":
+            drafter = low_bit_copy(target, args.drafter_quantize)
+        else:
+            drafter = target
+    except RapidspecError as error:
+        console.print(f"[red]error:[/red] {error}")
+        return 2
+    with torch.inference_mode():
+        bandwidth = read_bandwidth()
+        rows = measure(args, target, drafter, bandwidth, console)
+    table = Table(title=f"step costs, medians of {args.steps} (read bandwidth {bandwidth / 1e9:.1f} GB/s)")
+    for column in ("runtime", "context", "plain step", "roofline", "x roofline", f"verify {args.verify_tokens}",
+                   "verify/plain", f"drafter @{args.drafter_tokens}", "drafter roofline", "prefill tok/s"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            row["runtime"], str(row["length"]), f"{row['plain_ms']:.1f} ms", f"{row['plain_roofline_ms']:.1f} ms",
+            f"{row['plain_ms'] / row['plain_roofline_ms']:.2f}", f"{row['verify_ms']:.1f} ms",
+            f"{row['verify_per_plain']:.2f}", f"{row['drafter_ms']:.1f} ms", f"{row['drafter_roofline_ms']:.1f} ms",
+            f"{row['prefill_tok_s']:.0f}",
+        )
+    Console().print(table)
+    print(json.dumps({
+        "target": args.target, "drafter": args.drafter or "self", "dtype": args.dtype,
+        "drafter_quantize": args.drafter_quantize, "threads": torch.get_num_threads(),
+        "read_bandwidth_gb_s": bandwidth / 1e9, "rows": rows,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
