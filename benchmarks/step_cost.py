@@ -9,7 +9,8 @@ the machine's memory bandwidth. This script measures, in one process:
   ``--verify-tokens`` tokens, and a drafter step on ``--drafter-tokens``
   tokens of context (the retrieved text), each the median of ``--steps``
   forwards after two warm-ups, for each ``--runtimes`` entry (``lean`` and
-  ``transformers`` side by side: the before and after of the lean forward);
+  ``transformers`` side by side: the before and after of the lean forward),
+  the runtimes taking turns step by step so that noise hits them alike;
 * each step's bytes, its roofline time and its ratio to it.
 
     python benchmarks/step_cost.py --lengths 4096,8192 --drafter-quantize int8
@@ -90,47 +91,65 @@ def new_cache(loaded, runtime: str, chunk: int):
     return KVCache(loaded.model, chunk)
 
 
-def step_median(cache, tokens: list[int], steps: int) -> float:
-    """Median seconds of forwarding ``tokens`` (all logits kept) then rolling back."""
+def timed_step(cache, tokens: list[int]) -> float:
+    """Seconds of forwarding ``tokens`` (all logits kept), then rolling the cache back."""
     length = cache.length
-    times = []
+    started = time.perf_counter()
+    cache.forward(tokens, num_logits=len(tokens))
+    seconds = time.perf_counter() - started
+    cache.crop(length)
+    return seconds
+
+
+def interleaved_medians(caches: dict, tokens: list[int], steps: int) -> dict[str, float]:
+    """Median seconds per runtime of forwarding ``tokens``, the runtimes taking turns step by step
+    (after two warm-ups each), so that a noisy machine slows all of them alike."""
+    times = {runtime: [] for runtime in caches}
     for index in range(steps + 2):
+        for runtime, cache in caches.items():
+            seconds = timed_step(cache, tokens)
+            if index >= 2:
+                times[runtime].append(seconds)
+    return {runtime: statistics.median(values) for runtime, values in times.items()}
+
+
+def prefilled(loaded, runtimes: list[str], ids: list[int], chunk: int) -> tuple[dict, dict]:
+    """A cache per runtime holding ``ids``, and each prefill's seconds."""
+    caches, seconds = {}, {}
+    for runtime in runtimes:
+        caches[runtime] = new_cache(loaded, runtime, chunk)
         started = time.perf_counter()
-        cache.forward(tokens, num_logits=len(tokens))
-        if index >= 2:
-            times.append(time.perf_counter() - started)
-        cache.crop(length)
-    return statistics.median(times)
+        caches[runtime].prefill(ids)
+        seconds[runtime] = time.perf_counter() - started
+    return caches, seconds
 
 
 def measure(args, target, drafter, bandwidth: float, console: Console) -> list[dict]:
-    rows = []
     vocab = min(target.model.config.vocab_size, len(target.tokenizer))
     ids = torch.randint(0, vocab, (max(args.lengths) + 64,), generator=torch.Generator().manual_seed(0)).tolist()
     target_weights, drafter_weights = weight_bytes(target.model), weight_bytes(drafter.model)
-    for runtime in args.runtimes:
-        drafter_cache = new_cache(drafter, runtime, args.prefill_chunk_tokens)
-        drafter_cache.prefill(ids[: args.drafter_tokens - 1])
-        drafter_step = step_median(drafter_cache, ids[args.drafter_tokens - 1 : args.drafter_tokens], args.steps)
-        drafter_bytes = drafter_weights + cache_bytes(drafter.model, args.drafter_tokens)
-        del drafter_cache
-        for length in args.lengths:
-            console.print(f"[dim]{runtime}: prefill {length} tokens[/dim]")
-            cache = new_cache(target, runtime, args.prefill_chunk_tokens)
-            started = time.perf_counter()
-            cache.prefill(ids[: length - 1])
-            prefill = time.perf_counter() - started
-            plain = step_median(cache, ids[length - 1 : length], args.steps)
-            verify = step_median(cache, ids[length - 1 : length - 1 + args.verify_tokens], args.steps)
-            plain_bytes = target_weights + cache_bytes(target.model, length)
+    drafter_caches, _ = prefilled(drafter, args.runtimes, ids[: args.drafter_tokens - 1], args.prefill_chunk_tokens)
+    drafter_step = interleaved_medians(drafter_caches, ids[args.drafter_tokens - 1 : args.drafter_tokens], args.steps)
+    drafter_bytes = drafter_weights + cache_bytes(drafter.model, args.drafter_tokens)
+    del drafter_caches
+    rows = []
+    for length in args.lengths:
+        console.print(f"[dim]prefill {length} tokens ({', '.join(args.runtimes)})[/dim]")
+        caches, prefill = prefilled(target, args.runtimes, ids[: length - 1], args.prefill_chunk_tokens)
+        plain = interleaved_medians(caches, ids[length - 1 : length], args.steps)
+        verify = interleaved_medians(caches, ids[length - 1 : length - 1 + args.verify_tokens], args.steps)
+        plain_bytes = target_weights + cache_bytes(target.model, length)
+        for runtime in args.runtimes:
             rows.append({
-                "runtime": runtime, "length": length, "prefill_s": prefill, "prefill_tok_s": (length - 1) / prefill,
-                "plain_ms": 1e3 * plain, "plain_roofline_ms": 1e3 * plain_bytes / bandwidth,
-                "verify_tokens": args.verify_tokens, "verify_ms": 1e3 * verify, "verify_per_plain": verify / plain,
-                "drafter_tokens": args.drafter_tokens, "drafter_ms": 1e3 * drafter_step,
+                "runtime": runtime, "length": length, "prefill_s": prefill[runtime],
+                "prefill_tok_s": (length - 1) / prefill[runtime],
+                "plain_ms": 1e3 * plain[runtime], "plain_roofline_ms": 1e3 * plain_bytes / bandwidth,
+                "verify_tokens": args.verify_tokens, "verify_ms": 1e3 * verify[runtime],
+                "verify_per_plain": verify[runtime] / plain[runtime],
+                "drafter_tokens": args.drafter_tokens, "drafter_ms": 1e3 * drafter_step[runtime],
                 "drafter_roofline_ms": 1e3 * drafter_bytes / bandwidth,
             })
-            del cache
+        del caches
     return rows
 
 
@@ -146,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed forwards per median")
     parser.add_argument("--runtimes", default="lean,transformers")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=2048)
+    parser.add_argument("--bandwidth-megabytes", type=int, default=512, help="buffer summed to measure bandwidth")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:
@@ -166,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/red] {error}")
         return 2
     with torch.inference_mode():
-        bandwidth = read_bandwidth()
+        bandwidth = read_bandwidth(args.bandwidth_megabytes)
         rows = measure(args, target, drafter, bandwidth, console)
     table = Table(title=f"step costs, medians of {args.steps} (read bandwidth {bandwidth / 1e9:.1f} GB/s)")
     for column in ("runtime", "context", "plain step", "roofline", "x roofline", f"verify {args.verify_tokens}",
@@ -179,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['verify_per_plain']:.2f}", f"{row['drafter_ms']:.1f} ms", f"{row['drafter_roofline_ms']:.1f} ms",
             f"{row['prefill_tok_s']:.0f}",
         )
-    Console().print(table)
+    Console(width=160).print(table)
     print(json.dumps({
         "target": args.target, "drafter": args.drafter or "self", "dtype": args.dtype,
         "drafter_quantize": args.drafter_quantize, "threads": torch.get_num_threads(),

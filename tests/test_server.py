@@ -66,6 +66,10 @@ def test_greedy_eta_zero_through_the_server_equals_lc(client, engine):
         extra = {"mode": mode, "ignore_eos": True} | ({"eta": 0} if mode == "rapid" else {})
         out = client.chat.completions.create(model="tiny", messages=HISTORY, max_tokens=16, extra_body=extra)
         assert out.choices[0].message.content == lc.text, mode
+    extra = {"mode": "ragsd", "ignore_eos": True, "gamma_schedule": "cost"}
+    out = client.chat.completions.create(model="tiny", messages=HISTORY, max_tokens=16, extra_body=extra)
+    assert out.choices[0].message.content == lc.text
+    assert out.model_extra["rapidspec"]["stats"]["gamma_schedule"] == "cost"
 
 
 def test_streaming_matches_non_streaming_and_reports_usage(client):

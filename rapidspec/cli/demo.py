@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from rapidspec.cli.render import stats_table
 
     out = Console()
-    out.print(f"[bold]Document[/bold]: {rapid.prompt_tokens_target} prompt tokens ({item.source})")
+    out.print(f"[bold]Document[/bold]: {rapid.prompt_tokens_target} prompt tokens ({item.source});"
+              f" [dim]decode steps: {engine.target.runtime} forward[/dim]")
     out.print(f"[bold]Question[/bold]: {item.question}   [dim](expected: {item.answer})[/dim]")
     out.print(Columns([
         Panel(outputs["lc"].text.strip() or "(empty)", title="lc: target reads everything", width=60),
