@@ -100,16 +100,15 @@ def new_cache(config) -> DynamicCache:
     return cache
 
 
-class KVCache:
-    """The key/value cache of one model over one token sequence (batch size 1)."""
+class HeldTokens:
+    """What every key/value cache shares: the token ids it holds, argument checks, chunked prefill.
 
-    def __init__(self, model: torch.nn.Module, prefill_chunk_tokens: int = 2048) -> None:
-        if prefill_chunk_tokens < 1:
-            raise ValueError("prefill_chunk_tokens must be >= 1")
-        self.model = model
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self._cache = new_cache(model.config)
-        self._token_ids: list[int] = []
+    Subclasses set ``_token_ids`` and ``prefill_chunk_tokens`` and implement
+    ``forward(token_ids, num_logits)``.
+    """
+
+    _token_ids: list[int]
+    prefill_chunk_tokens: int
 
     @property
     def length(self) -> int:
@@ -120,6 +119,39 @@ class KVCache:
     def token_ids(self) -> list[int]:
         """The tokens held, in order (a copy)."""
         return list(self._token_ids)
+
+    @staticmethod
+    def _check_forward(token_ids: Sequence[int], num_logits: int) -> None:
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        if not 1 <= num_logits <= len(token_ids):
+            raise ValueError(f"num_logits must be in [1, {len(token_ids)}], got {num_logits}")
+
+    def _check_crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """Append a long sequence in chunks (bounded activation memory).
+
+        Returns the logits after the last token ([1, V]), or None for no tokens.
+        """
+        logits = None
+        for start in range(0, len(token_ids), self.prefill_chunk_tokens):
+            logits = self.forward(token_ids[start : start + self.prefill_chunk_tokens], num_logits=1)
+        return logits
+
+
+class KVCache(HeldTokens):
+    """The key/value cache of one model over one token sequence (batch size 1)."""
+
+    def __init__(self, model: torch.nn.Module, prefill_chunk_tokens: int = 2048) -> None:
+        if prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
+        self.model = model
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._cache = new_cache(model.config)
+        self._token_ids: list[int] = []
 
     @property
     def device(self) -> torch.device:
@@ -132,10 +164,7 @@ class KVCache:
         device of the input embeddings, also for models split over several
         GPUs); row j predicts the token after ``token_ids[len - num_logits + j]``.
         """
-        if not token_ids:
-            raise ValueError("forward needs at least one token")
-        if not 1 <= num_logits <= len(token_ids):
-            raise ValueError(f"num_logits must be in [1, {len(token_ids)}], got {num_logits}")
+        self._check_forward(token_ids, num_logits)
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(
             input_ids=input_ids,
@@ -146,20 +175,9 @@ class KVCache:
         self._token_ids.extend(int(t) for t in token_ids)
         return out.logits[0, -num_logits:].to(self.device).float()  # [num_logits, V]
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
-        """Append a long sequence in chunks (bounded activation memory).
-
-        Returns the logits after the last token ([1, V]), or None for no tokens.
-        """
-        logits = None
-        for start in range(0, len(token_ids), self.prefill_chunk_tokens):
-            logits = self.forward(token_ids[start : start + self.prefill_chunk_tokens], num_logits=1)
-        return logits
-
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (rollback of rejected tokens)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
+        self._check_crop(length)
         remove = self.length - length
         if remove:
             # transformers 5 crops by a negative count of tokens to remove.

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
-from rapidspec.cache import ROOM_GROWTH, ROOM_QUANTUM
+from rapidspec.cache import ROOM_GROWTH, ROOM_QUANTUM, HeldTokens
 from rapidspec.runtime.lean import LeanModel
 
 
-class LeanKVCache:
+class LeanKVCache(HeldTokens):
     """The key/value cache of one :class:`LeanModel` over one token sequence."""
 
     def __init__(self, lean: LeanModel, prefill_chunk_tokens: int = 2048) -> None:
@@ -39,16 +39,6 @@ class LeanKVCache:
         return torch.empty(
             lean.num_layers, lean.kv_heads, capacity, lean.head_dim, dtype=lean.dtype, device=lean.device
         )
-
-    @property
-    def length(self) -> int:
-        """Number of tokens whose keys/values are held."""
-        return len(self._token_ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens held, in order (a copy)."""
-        return list(self._token_ids)
 
     @property
     def device(self) -> torch.device:
@@ -73,10 +63,7 @@ class LeanKVCache:
 
     def forward(self, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
         """Append ``token_ids`` and return float32 logits [num_logits, V] of the last ``num_logits`` of them."""
-        if not token_ids:
-            raise ValueError("forward needs at least one token")
-        if not 1 <= num_logits <= len(token_ids):
-            raise ValueError(f"num_logits must be in [1, {len(token_ids)}], got {num_logits}")
+        self._check_forward(token_ids, num_logits)
         start = self.length
         self.reserve(start + len(token_ids))
         input_ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)  # [T]
@@ -85,17 +72,13 @@ class LeanKVCache:
         return logits.float()  # [num_logits, V]
 
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
-        """Append a long sequence in chunks; logits after the last token ([1, V]) or None."""
+        """Append a long sequence in chunks (room reserved once); logits after the last token ([1, V]) or None."""
         self.reserve(self.length + len(token_ids))
-        logits = None
-        for start in range(0, len(token_ids), self.prefill_chunk_tokens):
-            logits = self.forward(token_ids[start : start + self.prefill_chunk_tokens], num_logits=1)
-        return logits
+        return super().prefill(token_ids)
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (rollback of rejected tokens)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
+        self._check_crop(length)
         del self._token_ids[length:]
 
     def clone(self) -> "LeanKVCache":
