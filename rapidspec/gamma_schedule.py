@@ -16,7 +16,8 @@
   A round of k drafts then emits on average E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
   tokens and costs C(k) = k * d + v(k + 1) (+ d * prod_{j<=k} a_j when eta > 0:
   the drafter forward at the bonus position). The schedule drafts the k in
-  [k_min, max_gamma] with the most tokens per second E(k) / C(k); k = 0 is a
+  [k_min, max_gamma] with the most tokens per second E(k) / C(k) (measured costs:
+  at most EXTRAPOLATE_TOKENS more verified tokens than any round so far); k = 0 is a
   plain target step (E = 1, C = v(1)), so speculation has to beat it. With
   eta > 0, k_min = 1: p^ needs the drafter's q at every verified position, and
   a round without drafts would emit from p instead.
@@ -54,6 +55,10 @@ DRAFT_WINDOW = 16
 # PROBE_EVERY spends PROBE_DRAFTS drafter steps for nothing).
 PROBE_EVERY = 8
 PROBE_DRAFTS = 2
+# Measured costs plan rounds verifying at most this many tokens more than the largest
+# round measured so far: the straight line v(n) is only trusted near its data (on the
+# built-in model it underestimated long verifies and the schedule drafted too long).
+EXTRAPOLATE_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -273,7 +278,10 @@ class CostSchedule:
             if not self.draft_step_samples or not self.verify_samples:
                 return self.gamma
             return calibration_drafts(list(self.verify_samples), self.k_min, self.max_gamma)
-        return best_drafts(self.acceptance(), costs, self.k_min, self.max_gamma, self.bonus_forward)
+        k_max = self.max_gamma
+        if self.fixed_costs is None:  # round k verifies k + 1 tokens
+            k_max = max(self.k_min, min(k_max, max(self.verify_samples) - 1 + EXTRAPOLATE_TOKENS))
+        return best_drafts(self.acceptance(), costs, self.k_min, k_max, self.bonus_forward)
 
     def record(self, round_: RoundRecord) -> None:
         self.rounds += 1

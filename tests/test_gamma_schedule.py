@@ -11,6 +11,7 @@ from rapidspec.cli import main
 from rapidspec.errors import RapidspecError
 from rapidspec.gamma_schedule import (
     ACCEPTANCE_DECAY,
+    EXTRAPOLATE_TOKENS,
     PROBE_DRAFTS,
     PROBE_EVERY,
     ConstantSchedule,
@@ -179,8 +180,22 @@ def test_cost_schedule_warms_up_then_calibrates_then_measures(eta, calibration):
     costs = schedule.costs()
     assert (costs.draft_step, costs.verify_base, costs.verify_per_token) == pytest.approx((0.01, 0.1, 0.001))
     a = schedule.acceptance()
-    assert schedule.next_drafts() == best_drafts(a, costs, schedule.k_min, 16, eta > 0)
+    # the largest round measured verified 5 tokens, so k + 1 <= 5 + EXTRAPOLATE_TOKENS
+    assert schedule.next_drafts() == best_drafts(a, costs, schedule.k_min, 4 + EXTRAPOLATE_TOKENS, eta > 0)
     assert schedule.next_drafts() >= 4  # cheap drafts, everything accepted so far
+
+
+def test_cost_schedule_grows_rounds_only_near_measured_ones():
+    """With cheap drafts and full acceptance k climbs by EXTRAPOLATE_TOKENS a round, not straight to max_gamma."""
+    schedule = CostSchedule(2, 16, 0.0)
+    chosen = []
+    for _ in range(10):
+        k = schedule.next_drafts()
+        chosen.append(k)
+        schedule.record(round_record(k, k, draft_step=0.001, verify=0.1 + 0.001 * (k + 1)))
+    assert chosen[:3] == [2, 2, 0]  # warm-up, gamma again, calibration
+    assert chosen[3] == 2 + EXTRAPOLATE_TOKENS and chosen[4] == 2 + 2 * EXTRAPOLATE_TOKENS
+    assert chosen[-1] == 16
 
 
 def test_cost_schedule_uses_running_medians():
