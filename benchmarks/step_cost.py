@@ -26,6 +26,7 @@ last line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -35,12 +36,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from rapidspec.cache import KVCache
 from rapidspec.errors import RapidspecError
 from rapidspec.models import load_model, low_bit_copy
 from rapidspec.quantization import Int4Linear, Int8Linear
-from rapidspec.runtime.lean import LeanModel
-from rapidspec.runtime.lean_cache import LeanKVCache
+from rapidspec.runtime import new_kv_cache
 
 RUNTIMES = ("lean", "transformers")
 
@@ -86,9 +85,8 @@ def cache_bytes(model: torch.nn.Module, length: int) -> int:
 
 
 def new_cache(loaded, runtime: str, chunk: int):
-    if runtime == "lean":
-        return LeanKVCache(loaded.lean or LeanModel(loaded.model), chunk)
-    return KVCache(loaded.model, chunk)
+    """An empty cache of ``loaded`` (loaded with the lean forward when ``lean`` is measured) on ``runtime``."""
+    return new_kv_cache(loaded if runtime == "lean" else dataclasses.replace(loaded, lean=None), chunk)
 
 
 def timed_step(cache, tokens: list[int]) -> float:
@@ -175,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             raise RapidspecError("--lengths must be > --verify-tokens and --drafter-tokens >= 2")
         if any(r not in RUNTIMES for r in args.runtimes):
             raise RapidspecError(f"--runtimes takes {', '.join(RUNTIMES)}")
-        target = load_model(args.target, dtype=args.dtype)
+        runtime = "lean" if "lean" in args.runtimes else "transformers"
+        target = load_model(args.target, dtype=args.dtype, runtime=runtime)
         if args.drafter is not None:
-            drafter = load_model(args.drafter, dtype=args.dtype, quantize=args.drafter_quantize)
+            drafter = load_model(args.drafter, dtype=args.dtype, quantize=args.drafter_quantize, runtime=runtime)
         elif args.drafter_quantize != "none":
             drafter = low_bit_copy(target, args.drafter_quantize)
         else:

@@ -101,6 +101,45 @@ def grouped_matmul_attention(
     return output.view(batch, heads, q_len, head_dim)  # [b, h, q, d]
 
 
+def attend(
+    query: torch.Tensor,  # [batch, heads, q_len, head_dim]
+    key: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
+    value: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
+    mask: torch.Tensor | None,  # bool (True = attend) or additive, broadcastable to [batch, 1, q_len, kv_len]
+    is_causal: bool = False,  # causal without a mask (only for q_len == kv_len)
+    scaling: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Attention [batch, heads, q_len, head_dim] on the path that pays for its shape (module docstring)."""
+    if matmul_path_pays(query, key.shape[2]) and not is_causal and dropout_p == 0.0:
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return grouped_matmul_attention(query, key, value, mask, scaling)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling, is_causal=is_causal,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+
+
+def causal_attention(
+    query: torch.Tensor,  # [batch, heads, q_len, head_dim], the last q_len positions of the keys
+    key: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
+    value: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
+    scaling: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention of queries aligned to the *end* of the keys ([batch, heads, q_len, head_dim]).
+
+    Without a cache (q_len == kv_len) SDPA's causal flag does it; with one, the
+    causal mask of the last q_len positions is built here.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len == 1 or q_len == kv_len:
+        return attend(query, key, value, None, q_len > 1, scaling, dropout_p)
+    positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [q_len, 1]
+    mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, q, n]
+    return attend(query, key, value, mask, False, scaling, dropout_p)
+
+
 def gqa_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [batch, heads, q_len, head_dim]
@@ -113,30 +152,12 @@ def gqa_sdpa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention output [batch, q_len, heads, head_dim], computed with native GQA."""
-    q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # Without a mask, a multi-token query attends causally aligned to the
-    # *end* of the keys only when q_len == kv_len (a prefill without cache).
-    use_causal_flag = bool(causal and attention_mask is None and q_len > 1 and q_len == kv_len)
-    if causal and attention_mask is None and q_len > 1 and not use_causal_flag:
-        positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [q_len, 1]
-        attention_mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, q, n]
     dropout_p = dropout if module.training else 0.0
-    if matmul_path_pays(query, kv_len) and not use_causal_flag and dropout_p == 0.0:
-        if scaling is None:
-            scaling = query.shape[-1] ** -0.5
-        output = grouped_matmul_attention(query, key, value, attention_mask, scaling)
+    if causal and attention_mask is None:
+        output = causal_attention(query, key, value, scaling, dropout_p)
     else:
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=dropout_p,
-            scale=scaling,
-            is_causal=use_causal_flag,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )  # [batch, heads, q_len, head_dim]
+        output = attend(query, key, value, attention_mask, False, scaling, dropout_p)
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -103,12 +103,14 @@ def new_cache(config) -> DynamicCache:
 class HeldTokens:
     """What every key/value cache shares: the token ids it holds, argument checks, chunked prefill.
 
-    Subclasses set ``_token_ids`` and ``prefill_chunk_tokens`` and implement
-    ``forward(token_ids, num_logits)``.
+    Subclasses call ``__init__`` and implement ``forward(token_ids, num_logits)``.
     """
 
-    _token_ids: list[int]
-    prefill_chunk_tokens: int
+    def __init__(self, prefill_chunk_tokens: int) -> None:
+        if prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._token_ids: list[int] = []
 
     @property
     def length(self) -> int:
@@ -146,12 +148,9 @@ class KVCache(HeldTokens):
     """The key/value cache of one model over one token sequence (batch size 1)."""
 
     def __init__(self, model: torch.nn.Module, prefill_chunk_tokens: int = 2048) -> None:
-        if prefill_chunk_tokens < 1:
-            raise ValueError("prefill_chunk_tokens must be >= 1")
+        super().__init__(prefill_chunk_tokens)
         self.model = model
-        self.prefill_chunk_tokens = prefill_chunk_tokens
         self._cache = new_cache(model.config)
-        self._token_ids: list[int] = []
 
     @property
     def device(self) -> torch.device:

@@ -203,7 +203,9 @@ def test_runtime_choice_and_refusals(byte_tokenizer, tiny_model_dir):
     gemma = GemmaForCausalLM(GemmaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)).eval()
     assert "gemma" in lean_unsupported_reason(gemma)
-    assert LeanModel.from_model(gemma) is None and _lean_forward(gemma, "auto", "g") is None
+    assert _lean_forward(gemma, "auto", "g") is None
+    with pytest.raises(ValueError, match="no lean forward"):
+        LeanModel(gemma)
     with pytest.raises(RapidspecError, match="not available"):
         _lean_forward(gemma, "lean", "g")
     loaded = LoadedModel("g", gemma, byte_tokenizer, gemma.device, gemma.dtype, 512, "config")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rapidspec.attention import grouped_matmul_attention, matmul_path_pays
+from rapidspec.attention import causal_attention
 from rapidspec.quantization import Int8Linear
 
 #: model_type values of transformers configs the lean forward implements.
@@ -146,30 +146,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def causal_attention(
-    query: torch.Tensor,  # [heads, T, d]
-    keys: torch.Tensor,  # [kv_heads, n, d], the last T of them are the query's own positions
-    values: torch.Tensor,  # [kv_heads, n, d]
-    scaling: float,
-) -> torch.Tensor:
-    """Causal attention of the last ``T`` positions over ``n`` keys ([heads, T, d])."""
-    q_len, kv_len = query.shape[1], keys.shape[1]
-    mask = None
-    if q_len > 1 and q_len != kv_len:
-        positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [T, 1]
-        mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, T, n]
-    if matmul_path_pays(query, kv_len) and (q_len == 1 or mask is not None):
-        return grouped_matmul_attention(query[None], keys[None], values[None], mask, scaling)[0]
-    return F.scaled_dot_product_attention(
-        query[None], keys[None], values[None], attn_mask=mask, scale=scaling,
-        is_causal=mask is None and q_len > 1, enable_gqa=query.shape[0] != keys.shape[0],
-    )[0]  # [heads, T, d]
-
-
 class LeanModel:
     """The lean forward of one loaded llama/qwen2 causal LM (batch size 1).
 
-    Build it with :meth:`from_model`; caches come from
+    Built by :func:`rapidspec.models.load_model` where
+    :func:`lean_unsupported_reason` allows; caches come from
     :class:`~rapidspec.runtime.lean_cache.LeanKVCache`.
     """
 
@@ -209,11 +190,6 @@ class LeanModel:
         self.device = self.embed.weight.device
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
 
-    @classmethod
-    def from_model(cls, model) -> "LeanModel | None":
-        """The lean forward of ``model``, or None when its architecture is not supported."""
-        return None if lean_unsupported_reason(model) is not None else cls(model)
-
     @property
     def num_layers(self) -> int:
         return len(self.layers)
@@ -250,7 +226,9 @@ class LeanModel:
             value = value.reshape(q_len, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
             keys[index, :, start:end] = apply_rope(key, cos, sin)
             values[index, :, start:end] = value
-            attended = causal_attention(apply_rope(query, cos, sin), keys[index, :, :end], values[index, :, :end], self.scaling)
+            attended = causal_attention(
+                apply_rope(query, cos, sin)[None], keys[None, index, :, :end], values[None, index, :, :end], self.scaling
+            )[0]  # [H, T, d]
             x = x + layer.o_proj(attended.transpose(0, 1).reshape(q_len, -1))
             h = rms_norm(x, layer.post_norm, self.eps)
             x = x + layer.mlp(h)

@@ -26,12 +26,9 @@ class LeanKVCache(HeldTokens):
     """The key/value cache of one :class:`LeanModel` over one token sequence."""
 
     def __init__(self, lean: LeanModel, prefill_chunk_tokens: int = 2048) -> None:
-        if prefill_chunk_tokens < 1:
-            raise ValueError("prefill_chunk_tokens must be >= 1")
+        super().__init__(prefill_chunk_tokens)
         self.lean = lean
         self.model = lean.model
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self._token_ids: list[int] = []
         self._keys = self._values = self._empty(0)  # [layers, kv_heads, capacity, d]
 
     def _empty(self, capacity: int) -> torch.Tensor:
