@@ -26,7 +26,6 @@ last line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -40,6 +39,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.models import load_model, low_bit_copy
 from rapidspec.quantization import Int4Linear, Int8Linear
 from rapidspec.runtime import new_kv_cache
+from rapidspec.runtime.packed import PackedLinear, packed_bytes
 
 RUNTIMES = ("lean", "transformers")
 
@@ -64,6 +64,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
         elif isinstance(module, Int4Linear):
             packed = module.kernel_weight if module.kernel_weight is not None else module.codes_packed
             tensors = (packed, module.scales_and_zeros, module.bias)
+        elif isinstance(module, PackedLinear):
+            total += packed_bytes(module)
+            continue
         elif isinstance(module, torch.nn.Linear):
             tensors = (module.weight, module.bias)
         elif type(module).__name__.endswith("RMSNorm"):
@@ -82,11 +85,6 @@ def cache_bytes(model: torch.nn.Module, length: int) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     element = next(model.parameters()).element_size()
     return 2 * config.num_hidden_layers * kv_heads * head_dim * length * element
-
-
-def new_cache(loaded, runtime: str, chunk: int):
-    """An empty cache of ``loaded`` (loaded with the lean forward when ``lean`` is measured) on ``runtime``."""
-    return new_kv_cache(loaded if runtime == "lean" else dataclasses.replace(loaded, lean=None), chunk)
 
 
 def timed_step(cache, tokens: list[int]) -> float:
@@ -111,29 +109,43 @@ def interleaved_medians(caches: dict, tokens: list[int], steps: int) -> dict[str
     return {runtime: statistics.median(values) for runtime, values in times.items()}
 
 
-def prefilled(loaded, runtimes: list[str], ids: list[int], chunk: int) -> tuple[dict, dict]:
-    """A cache per runtime holding ``ids``, and each prefill's seconds."""
+def prefilled(models: dict, ids: list[int], chunk: int) -> tuple[dict, dict]:
+    """A cache per runtime (``models``: runtime -> its loaded model) holding ``ids``, and each prefill's seconds."""
     caches, seconds = {}, {}
-    for runtime in runtimes:
-        caches[runtime] = new_cache(loaded, runtime, chunk)
+    for runtime, loaded in models.items():
+        caches[runtime] = new_kv_cache(loaded, chunk)
         started = time.perf_counter()
         caches[runtime].prefill(ids)
         seconds[runtime] = time.perf_counter() - started
     return caches, seconds
 
 
-def measure(args, target, drafter, bandwidth: float, console: Console) -> list[dict]:
+def load_pair(args, runtime: str):
+    """Target and drafter loaded for ``runtime`` (each runtime gets its own load: the lean one packs weights)."""
+    target = load_model(args.target, dtype=args.dtype, runtime=runtime)
+    if args.drafter is not None:
+        return target, load_model(args.drafter, dtype=args.dtype, quantize=args.drafter_quantize, runtime=runtime)
+    if args.drafter_quantize != "none":
+        return target, low_bit_copy(target, args.drafter_quantize)
+    return target, target
+
+
+def measure(args, pairs: dict, bandwidth: float, console: Console) -> list[dict]:
+    """Rows of step costs; ``pairs``: runtime -> (target, drafter)."""
+    target, drafter = next(iter(pairs.values()))
+    targets = {runtime: pair[0] for runtime, pair in pairs.items()}
+    drafters = {runtime: pair[1] for runtime, pair in pairs.items()}
     vocab = min(target.model.config.vocab_size, len(target.tokenizer))
     ids = torch.randint(0, vocab, (max(args.lengths) + 64,), generator=torch.Generator().manual_seed(0)).tolist()
     target_weights, drafter_weights = weight_bytes(target.model), weight_bytes(drafter.model)
-    drafter_caches, _ = prefilled(drafter, args.runtimes, ids[: args.drafter_tokens - 1], args.prefill_chunk_tokens)
+    drafter_caches, _ = prefilled(drafters, ids[: args.drafter_tokens - 1], args.prefill_chunk_tokens)
     drafter_step = interleaved_medians(drafter_caches, ids[args.drafter_tokens - 1 : args.drafter_tokens], args.steps)
     drafter_bytes = drafter_weights + cache_bytes(drafter.model, args.drafter_tokens)
     del drafter_caches
     rows = []
     for length in args.lengths:
         console.print(f"[dim]prefill {length} tokens ({', '.join(args.runtimes)})[/dim]")
-        caches, prefill = prefilled(target, args.runtimes, ids[: length - 1], args.prefill_chunk_tokens)
+        caches, prefill = prefilled(targets, ids[: length - 1], args.prefill_chunk_tokens)
         plain = interleaved_medians(caches, ids[length - 1 : length], args.steps)
         verify = interleaved_medians(caches, ids[length - 1 : length - 1 + args.verify_tokens], args.steps)
         plain_bytes = target_weights + cache_bytes(target.model, length)
@@ -173,20 +185,13 @@ def main(argv: list[str] | None = None) -> int:
             raise RapidspecError("--lengths must be > --verify-tokens and --drafter-tokens >= 2")
         if any(r not in RUNTIMES for r in args.runtimes):
             raise RapidspecError(f"--runtimes takes {', '.join(RUNTIMES)}")
-        runtime = "lean" if "lean" in args.runtimes else "transformers"
-        target = load_model(args.target, dtype=args.dtype, runtime=runtime)
-        if args.drafter is not None:
-            drafter = load_model(args.drafter, dtype=args.dtype, quantize=args.drafter_quantize, runtime=runtime)
-        elif args.drafter_quantize != "none":
-            drafter = low_bit_copy(target, args.drafter_quantize)
-        else:
-            drafter = target
+        pairs = {runtime: load_pair(args, runtime) for runtime in args.runtimes}
     except RapidspecError as error:
         console.print(f"[red]error:[/red] {error}")
         return 2
     with torch.inference_mode():
         bandwidth = read_bandwidth(args.bandwidth_megabytes)
-        rows = measure(args, target, drafter, bandwidth, console)
+        rows = measure(args, pairs, bandwidth, console)
     table = Table(title=f"step costs, medians of {args.steps} (read bandwidth {bandwidth / 1e9:.1f} GB/s)")
     for column in ("runtime", "context", "plain step", "roofline", "x roofline", f"verify {args.verify_tokens}",
                    "verify/plain", f"drafter @{args.drafter_tokens}", "drafter roofline", "prefill tok/s"):

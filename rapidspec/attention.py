@@ -9,51 +9,100 @@ public ``AttentionInterface`` (and the same masks as ``sdpa`` through
 ``AttentionMaskInterface``); load a model with ``attn_implementation=ATTENTION``
 to use it. Nothing of transformers is patched. Two paths:
 
-* **Short queries on CPU over long caches of wide heads** (decode steps and
+* **Short queries on CPU where it is faster** (decode steps and
   verification, at most :data:`MATMUL_MAX_QUERY` tokens, see
-  :func:`matmul_path_pays`): the query heads of each key/value group
+  :func:`matmul_path_pays`; which path wins depends on the CPU, so it is
+  measured once per shape class): the query heads of each key/value group
   are stacked into one matrix, so attention is two matrix products per
   key/value head straight on the cached keys and values (no head repetition,
-  no upcast of the cache), with the softmax computed in float32. On 2 CPU cores, per layer of Qwen2.5-1.5B
+  no upcast of the cache). On 2 CPU cores, per layer of Qwen2.5-1.5B
   at 16K keys in bfloat16, PyTorch's ``scaled_dot_product_attention`` took about
-  19 ms for one query (12.7 ms for 7), this path 0.7 ms (3.2 ms): the SDPA CPU
-  kernel is written for long queries. Scores and probabilities are held in the
-  model's dtype (rounded where transformers' ``eager`` attention rounds them),
+  19 ms for one query (12.7 ms for 7), this path 0.7 ms (3.2 ms). Scores and
+  probabilities are held in the model's dtype (rounded where transformers'
+  ``eager`` attention rounds them; the softmax computes in float32 inside),
   which for 7 queries at 16K keys took 2-3 ms instead of 6-9 ms with float32
   copies of the scores.
   Only the last ``q_len`` keys can be masked by causality, so when the mask
   allows every earlier key, only that tail is masked.
-* **Everything else** (prefill chunks, short caches, narrow heads, GPUs): PyTorch's
-  ``scaled_dot_product_attention(..., enable_gqa=True)``, which reads the
-  grouped heads directly.
+* **Everything else** (prefill chunks, GPUs, shapes where it measured faster):
+  PyTorch's ``scaled_dot_product_attention(..., enable_gqa=True)``, which
+  reads the grouped heads directly.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
+logger = logging.getLogger(__name__)
+
 ATTENTION = "rapidspec_sdpa_gqa"
-#: Longest query (tokens) that takes the matrix-product path on CPU.
+#: Longest query (tokens) that may take the matrix-product path on CPU.
 MATMUL_MAX_QUERY = 32
-#: The matrix-product path only pays on long caches of wide heads. Per 28-30
-#: layers on 2 cores in bfloat16 (PyTorch 2.13), one query: head_dim 128
-#: (Qwen2.5-1.5B) at 8K keys 33 ms vs 49 ms for SDPA, at 16K 64 vs 107 ms, but
-#: at 4K 18 vs 15 ms; head_dim 64 (SmolLM2, Qwen2.5-0.5B) SDPA was as fast or
-#: faster at every length from 528 keys (12.4 vs 1.9 ms) to 16K (66 vs 57 ms).
-MATMUL_MIN_HEAD_DIM = 128
-MATMUL_MIN_KEYS = 6144
+#: How short CPU queries choose their path: ``"measure"`` (default) times both
+#: once per shape class (:func:`matmul_path_faster`); ``"matmul"`` and
+#: ``"sdpa"`` force one (tests, comparisons).
+SHORT_QUERY_PATH = "measure"
+#: Fewest keys of a shape class; shorter caches count as this many.
+MEASURE_MIN_KEYS = 256
 
 
-def matmul_path_pays(query: torch.Tensor, kv_len: int) -> bool:
-    """Whether a short query ([..., q_len, head_dim]) on CPU takes :func:`grouped_matmul_attention`."""
-    return (
-        query.device.type == "cpu"
-        and query.shape[-2] <= MATMUL_MAX_QUERY
-        and query.shape[-1] >= MATMUL_MIN_HEAD_DIM
-        and kv_len >= MATMUL_MIN_KEYS
-    )
+def matmul_path_pays(query: torch.Tensor, kv_heads: int, kv_len: int) -> bool:
+    """Whether a short query ([..., heads, q_len, head_dim]) on CPU takes :func:`grouped_matmul_attention`.
+
+    Which path is faster depends on the CPU, not only on the shape. Per 30
+    layers of SmolLM2 (head_dim 64) in bfloat16 on 2 cores, one query over 8K
+    keys: an AVX2-only EPYC ran SDPA in 57 ms at 16K keys against 66 ms for
+    the matrix products (and 1.9 vs 12.4 ms at 528 keys), while an AVX-512
+    EPYC with bfloat16 instructions ran SDPA in 254 ms (8.5 ms a layer)
+    against 18 ms. So the choice is measured on the machine it runs on.
+    """
+    if query.device.type != "cpu" or query.shape[-2] > MATMUL_MAX_QUERY:
+        return False
+    if SHORT_QUERY_PATH != "measure":
+        return SHORT_QUERY_PATH == "matmul"
+    heads, q_len, head_dim = query.shape[-3:]
+    keys = max(MEASURE_MIN_KEYS, 1 << (max(kv_len, 1).bit_length() - 1))  # power-of-two class of kv_len
+    return matmul_path_faster(query.dtype, heads, kv_heads, q_len, keys, head_dim, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_path_faster(
+    dtype: torch.dtype, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, threads: int
+) -> bool:
+    """Whether :func:`grouped_matmul_attention` beats SDPA on this CPU for this shape (measured once, median of 5).
+
+    Costs a few milliseconds per shape class; ``threads`` is part of the key
+    because the answer depends on it.
+    """
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, heads, q_len, head_dim, generator=generator).to(dtype)
+    key = torch.randn(1, kv_heads, kv_len, head_dim, generator=generator).to(dtype)
+    value = torch.randn(1, kv_heads, kv_len, head_dim, generator=generator).to(dtype)
+    scaling = head_dim**-0.5
+    candidates = {
+        "matmul": lambda: grouped_matmul_attention(query, key, value, None, scaling),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, scale=scaling, enable_gqa=heads != kv_heads
+        ),
+    }
+    seconds = {name: [] for name in candidates}
+    with torch.inference_mode():
+        for repeat in range(6):  # alternating, the first round a warm-up
+            for name, run in candidates.items():
+                started = time.perf_counter()
+                run()
+                if repeat:
+                    seconds[name].append(time.perf_counter() - started)
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    logger.debug("attention %s h%d/%d q%d n%d d%d: %s", dtype, heads, kv_heads, q_len, kv_len, head_dim, medians)
+    return medians["matmul"] < medians["sdpa"]
 
 
 def grouped_matmul_attention(
@@ -111,7 +160,7 @@ def attend(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Attention [batch, heads, q_len, head_dim] on the path that pays for its shape (module docstring)."""
-    if matmul_path_pays(query, key.shape[2]) and not is_causal and dropout_p == 0.0:
+    if not is_causal and matmul_path_pays(query, key.shape[1], key.shape[2]) and dropout_p == 0.0:
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return grouped_matmul_attention(query, key, value, mask, scaling)
     return torch.nn.functional.scaled_dot_product_attention(

@@ -310,7 +310,9 @@ def load_model(
     ``runtime``: ``"auto"`` (default) decodes with the lean forward of
     :mod:`rapidspec.runtime.lean` when the architecture has one (llama,
     qwen2) and the model sits on one device, else with transformers' forward;
-    ``"lean"`` requires it; ``"transformers"`` never uses it.
+    ``"lean"`` requires it; ``"transformers"`` never uses it. On CPU the lean
+    runtime also keeps float linear weights prepacked for oneDNN
+    (:mod:`rapidspec.runtime.packed`), which both forwards then use.
     Raises :class:`RapidspecError` for anything the user can fix.
     """
     check_quantization(quantize)
@@ -366,6 +368,11 @@ def _lean_forward(model, runtime: str, name: str, split: bool = False):
 
     reason = "a model split over several devices" if split else lean_unsupported_reason(model)
     if reason is None:
+        from rapidspec.runtime.packed import pack_linears
+
+        packed = pack_linears(model)
+        if packed:
+            logger.info("%s: %d linear layers hold prepacked weights", name, packed)
         return LeanModel(model)
     if runtime == "lean":
         raise RapidspecError(f"runtime 'lean' is not available for {name}: {reason}; use --runtime transformers")

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidspec.errors import RapidspecError
+from rapidspec.runtime.packed import PackedLinear
 
 #: Accepted values of ``quantize`` options.
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -213,7 +214,7 @@ class Int4Linear(_LowBitLinear):
 
 
 def quantize_linears(model: nn.Module, method: str = "int8") -> int:
-    """Replace every ``nn.Linear`` of ``model`` by an int8 or int4 layer, in place.
+    """Replace every ``nn.Linear`` (or :class:`PackedLinear`) of ``model`` by an int8 or int4 layer, in place.
 
     ``method``: ``"int8"`` or ``"int4"`` (layers whose widths int4 cannot
     take get int8). Tied weights (an output layer sharing the input
@@ -225,7 +226,7 @@ def quantize_linears(model: nn.Module, method: str = "int8") -> int:
     replaced = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear or isinstance(child, PackedLinear):
                 layer = Int4Linear if method == "int4" and int4_fits(child) else Int8Linear
                 setattr(parent, child_name, layer.from_linear(child))
                 replaced += 1

@@ -12,17 +12,23 @@ from tests.conftest import make_tiny_model
 @pytest.fixture(params=["matmul", "sdpa"])
 def short_query_path(request, monkeypatch):
     """Run each model-level test with short queries on either path (the tiny heads never reach the thresholds)."""
-    if request.param == "matmul":
-        monkeypatch.setattr(attention, "MATMUL_MIN_HEAD_DIM", 0)
-        monkeypatch.setattr(attention, "MATMUL_MIN_KEYS", 0)
+    monkeypatch.setattr(attention, "SHORT_QUERY_PATH", request.param)
     return request.param
 
 
-def test_matmul_path_only_for_long_caches_of_wide_heads():
-    wide, narrow = torch.empty(1, 12, 1, 128), torch.empty(1, 9, 1, 64)
-    assert matmul_path_pays(wide, 8192) and not matmul_path_pays(wide, 4096)
-    assert not matmul_path_pays(narrow, 16384)
-    assert not matmul_path_pays(torch.empty(1, 12, 64, 128), 8192)  # a prefill chunk
+def test_short_query_path_is_forced_or_measured_once_per_shape_class(monkeypatch):
+    query = torch.empty(1, 6, 1, 32)
+    assert not matmul_path_pays(torch.empty(1, 6, 64, 32), 2, 4096)  # a prefill chunk never
+    monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "sdpa")
+    assert not matmul_path_pays(query, 2, 4096)
+    monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "matmul")
+    assert matmul_path_pays(query, 2, 4096)
+    monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "measure")
+    attention.matmul_path_faster.cache_clear()
+    first = matmul_path_pays(query, 2, 600)
+    assert matmul_path_pays(query, 2, 1000) == first  # 600 and 1000 keys are one class (512..1023)
+    info = attention.matmul_path_faster.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
 
 
 def test_gqa_attention_matches_sdpa(byte_tokenizer, short_query_path):

@@ -6,14 +6,15 @@ import importlib.util
 import json
 from pathlib import Path
 
-from rapidspec.models import low_bit_copy
+from rapidspec.models import load_model, low_bit_copy
+from rapidspec.runtime.packed import PackedLinear
 
 _SPEC = importlib.util.spec_from_file_location("step_cost", Path(__file__).parents[1] / "benchmarks" / "step_cost.py")
 step_cost = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(step_cost)
 
 
-def test_bytes_of_a_step(tiny_model):
+def test_bytes_of_a_step(tiny_model, tiny_model_dir):
     model = tiny_model.model  # 2 layers, hidden 32, MLP 64, 4 heads of 8 (2 key/value heads), 257 tokens, untied head
     linear = 2 * (32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 64) + 32 * 257
     norms = (2 * 2 + 1) * 32
@@ -22,6 +23,9 @@ def test_bytes_of_a_step(tiny_model):
     int8 = low_bit_copy(tiny_model, "int8").model
     scales_and_norms = 4 * (2 * (32 + 16 + 16 + 32 + 64 + 64 + 32) + 257 + norms)
     assert step_cost.weight_bytes(int8) == linear + scales_and_norms
+    packed = load_model(str(tiny_model_dir), dtype="float32")  # the lean runtime's prepacked layers
+    assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
+    assert step_cost.weight_bytes(packed.model) == 4 * (linear + norms)
 
 
 def test_a_run_prints_a_table_and_a_json_line(tiny_model_dir, capsys):
