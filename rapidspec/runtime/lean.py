@@ -66,7 +66,9 @@ def fuse_linears(modules: list[torch.nn.Module]) -> torch.nn.Module | None:
     originals then hold views of the fused weights (same values, no second
     copy in memory, transformers' forward unchanged). One product instead of
     three (q, k, v) or two (gate, up) saves a kernel launch each, which on
-    small models costs about as much as the product.
+    small models costs about as much as the product. Prepacked layers
+    (:mod:`rapidspec.runtime.packed`, the lean runtime's float layers on CPU)
+    do not fuse: their originals could not hold views of a fused weight.
     """
     kind = type(modules[0])
     if kind not in (torch.nn.Linear, Int8Linear) or any(type(m) is not kind for m in modules):
