@@ -10,14 +10,17 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from rapidspec.drafting import DEFAULT_SINK_TOKENS, DEFAULT_STREAMING_TOKENS
 from rapidspec.errors import RapidspecError
 
-Mode = Literal["lc", "rag", "sd", "ragsd", "rapid"]
-MODES: tuple[str, ...] = ("lc", "rag", "sd", "ragsd", "rapid")
+Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec"]
+MODES: tuple[str, ...] = ("lc", "rag", "sd", "ragsd", "rapid", "magicdec")
 GAMMA_SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "cost")
 # What each mode feeds the target and the drafter (DESIGN.md section 2).
 TARGET_READS_RETRIEVED = {"rag"}
-USES_DRAFTER = {"sd", "ragsd", "rapid"}
+USES_DRAFTER = {"sd", "ragsd", "rapid", "magicdec"}
+# The drafter reads a StreamingLLM view of the target's prompt (rapidspec.drafting).
+DRAFTER_READS_STREAMING = {"magicdec"}
 DRAFTER_READS_RETRIEVED = {"ragsd", "rapid"}
 USES_RETRIEVAL = {"rag", "ragsd", "rapid"}
 
@@ -28,7 +31,10 @@ DEFAULT_RAPID_ETA = 2.0
 class DecodeConfig:
     """How to decode. See README "Modes and knobs".
 
-    * ``mode``: ``lc`` | ``rag`` | ``sd`` | ``ragsd`` | ``rapid``.
+    * ``mode``: ``lc`` | ``rag`` | ``sd`` | ``ragsd`` | ``rapid`` | ``magicdec``.
+    * ``sink_tokens``, ``streaming_tokens``: mode ``magicdec``'s drafter reads
+      the first ``sink_tokens`` and the last ``streaming_tokens - sink_tokens``
+      tokens of the target's prompt (a StreamingLLM cache, :mod:`rapidspec.drafting`).
     * ``eta``: strength of the retrieval-augmented target (paper's eta). Only
       ``rapid`` uses it; ``None`` means 2.0 for ``rapid`` and 0 otherwise (greedy compares
       logits at temperature 1, where eta = 2 is about the paper's eta = 20 at
@@ -72,6 +78,8 @@ class DecodeConfig:
     seed: int | None = None
     ignore_eos: bool = False
     truncate: Literal["middle", "error"] = "middle"
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    streaming_tokens: int = DEFAULT_STREAMING_TOKENS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -105,6 +113,12 @@ class DecodeConfig:
             raise RapidspecError("stop strings must not be empty")
         if self.truncate not in ("middle", "error"):
             raise RapidspecError(f"truncate must be 'middle' or 'error', got {self.truncate!r}")
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise RapidspecError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens}")
+        if not isinstance(self.streaming_tokens, int) or self.streaming_tokens < self.sink_tokens + 16:
+            raise RapidspecError(
+                f"streaming_tokens must be an integer >= sink_tokens + 16 ({self.sink_tokens + 16}), got {self.streaming_tokens}"
+            )
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property

@@ -37,7 +37,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rapidspec.config import DRAFTER_READS_RETRIEVED, TARGET_READS_RETRIEVED, USES_DRAFTER, USES_RETRIEVAL
+from rapidspec.config import (
+    DRAFTER_READS_RETRIEVED,
+    DRAFTER_READS_STREAMING,
+    TARGET_READS_RETRIEVED,
+    USES_DRAFTER,
+    USES_RETRIEVAL,
+)
 from rapidspec.errors import ContextLengthError, RapidspecError
 from rapidspec.prompts import PromptPair, chat_template_ids, cut_middle, text_ids
 from rapidspec.retrieval import CHUNK_SEPARATOR
@@ -186,7 +192,7 @@ def chat_prompts(
     target_messages = short_messages if mode in TARGET_READS_RETRIEVED else long_messages
     target_ids, truncated = fit_messages(tokenizer, target_messages, target_window, truncate, raw)
     drafter_ids = None
-    if mode in USES_DRAFTER:
+    if mode in USES_DRAFTER and mode not in DRAFTER_READS_STREAMING:  # a streaming view is the engine's
         drafter_messages = short_messages if mode in DRAFTER_READS_RETRIEVED else target_messages
         drafter_ids = tuple(fit_messages(tokenizer, drafter_messages, drafter_window, truncate, raw)[0])
     return PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, mode in TARGET_READS_RETRIEVED, turns)

@@ -37,7 +37,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.gamma_schedule import GammaSchedule, new_schedule
 from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
 from rapidspec.prefix_cache import GIB, PrefixCache
-from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts
+from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts, with_streaming_drafter
 from rapidspec.runtime import new_kv_cache
 from rapidspec.stats import GenerationStats, RoundRecord
 from rapidspec.text_stream import TextAssembler
@@ -158,11 +158,12 @@ class Rapid:
     ) -> PromptPair:
         """The prompts of a conversation; ``raw`` skips the chat template, ``retriever`` replaces the engine's."""
         target_window, drafter_window = self._windows(config)
-        return chat_prompts(
+        pair = chat_prompts(
             self.tokenizer, retriever or self.retriever, parse_messages(messages), parse_documents(documents), mode=config.mode,
             target_window=target_window, drafter_window=drafter_window, truncate=config.truncate, query=query,
             recent_messages=recent_messages, raw=raw,
         )
+        return with_streaming_drafter(pair, config, drafter_window)
 
     def decode(
         self,

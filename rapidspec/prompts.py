@@ -13,9 +13,17 @@ kept, as LongBench does) with a warning, or refused with ``truncate="error"``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from rapidspec.config import DRAFTER_READS_RETRIEVED, TARGET_READS_RETRIEVED, USES_DRAFTER, USES_RETRIEVAL, DecodeConfig
+from rapidspec.config import (
+    DRAFTER_READS_RETRIEVED,
+    DRAFTER_READS_STREAMING,
+    TARGET_READS_RETRIEVED,
+    USES_DRAFTER,
+    USES_RETRIEVAL,
+    DecodeConfig,
+)
+from rapidspec.drafting import streaming_view
 from rapidspec.errors import ContextLengthError, RapidspecError
 
 logger = logging.getLogger(__name__)
@@ -171,9 +179,19 @@ def document_prompts(
     target_doc, truncated = fit_document(tokenizer, template, target_doc, question, target_window, config.truncate)
     target_ids = prompt_ids(tokenizer, template, target_doc, question, target_reads_retrieved)
     drafter_ids = None
-    if mode in USES_DRAFTER:
+    if mode in USES_DRAFTER and mode not in DRAFTER_READS_STREAMING:
         drafter_reads_retrieved = mode in DRAFTER_READS_RETRIEVED
         drafter_doc = retrieval.text if drafter_reads_retrieved else target_doc
         drafter_doc, _ = fit_document(tokenizer, template, drafter_doc, question, drafter_window, config.truncate)
         drafter_ids = tuple(prompt_ids(tokenizer, template, drafter_doc, question, drafter_reads_retrieved))
-    return PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, target_reads_retrieved)
+    pair = PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, target_reads_retrieved)
+    return with_streaming_drafter(pair, config, drafter_window)
+
+
+def with_streaming_drafter(pair: PromptPair, config: DecodeConfig, drafter_window: int) -> PromptPair:
+    """``pair`` with the drafter's StreamingLLM view of the target's prompt when ``config.mode`` drafts from one
+    (at most ``drafter_window`` tokens)."""
+    if config.mode not in DRAFTER_READS_STREAMING:
+        return pair
+    view = streaming_view(pair.target_ids, config.sink_tokens, min(config.streaming_tokens, drafter_window))
+    return replace(pair, drafter_ids=view)

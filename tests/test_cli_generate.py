@@ -26,6 +26,7 @@ def document(tmp_path):
         (["--top-p", "0"], "top_p"),
         (["--top-p", "1.5"], "top_p"),
         (["--mode", "sd", "--eta", "3"], "eta"),
+        (["--mode", "magicdec", "--streaming-tokens", "8"], "streaming_tokens"),
         (["--target", "/nonexistent/model-dir"], "model"),
     ],
 )
@@ -113,3 +114,11 @@ def test_max_new_tokens_beyond_the_window_is_one_line(document, tiny_model_dir, 
                  "--retrieval", "bm25", "--max-new-tokens", "100000"])
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar
     assert code == 2 and last.startswith("rapidspec generate: error: max_new_tokens=100000 leaves no room")
+
+
+def test_generate_magicdec_on_a_saved_model(document, tiny_model_dir, capsys):
+    code = main(["generate", "--document", str(document), "--question", "Cat?", "--target", str(tiny_model_dir),
+                 "--mode", "magicdec", "--sink-tokens", "4", "--streaming-tokens", "64", "--max-new-tokens", "6", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["mode"] == "magicdec"
+    assert result["stats"]["prompt_tokens_drafter"] == 64 < result["stats"]["prompt_tokens_target"]

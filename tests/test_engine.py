@@ -27,7 +27,7 @@ def lc_output(tiny_model):
     return engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
 
 
-@pytest.mark.parametrize("mode", ["sd", "ragsd", "rapid"])
+@pytest.mark.parametrize("mode", ["sd", "ragsd", "rapid", "magicdec"])
 @pytest.mark.parametrize("drafter_kind", ["self", "random"])
 def test_greedy_eta_zero_equals_lc(tiny_model, other_tiny_model, lc_output, mode, drafter_kind):
     """Invariant 1: eta = 0 greedy reproduces target-only greedy for any drafter."""

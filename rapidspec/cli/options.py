@@ -34,7 +34,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> None:
     group = parser.add_argument_group("decoding")
     if modes:
-        group.add_argument("--mode", default=_DEFAULT_DECODE.mode, choices=MODES, help="lc, rag, sd, ragsd or rapid (default: rapid)")
+        group.add_argument("--mode", default=_DEFAULT_DECODE.mode, choices=MODES, help="lc, rag, sd, ragsd, rapid or magicdec (default: rapid)")
     group.add_argument("--eta", type=float, default=None, help="retrieval-augmented target strength (rapid only; default 2)")
     group.add_argument("--gamma", type=int, default=_DEFAULT_DECODE.gamma, help="drafted tokens per round (default: %(default)s)")
     group.add_argument("--gamma-schedule", default=_DEFAULT_DECODE.gamma_schedule, choices=GAMMA_SCHEDULES,
@@ -53,6 +53,10 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
     group.add_argument("--seed", type=int, default=None, help="seed for sampling")
     group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=_DEFAULT_DECODE.ignore_eos,
                        help="keep generating after the end-of-sequence token, up to --max-new-tokens")
+    group.add_argument("--sink-tokens", type=int, default=_DEFAULT_DECODE.sink_tokens,
+                       help="magicdec: first prompt tokens the drafter keeps (StreamingLLM sinks; default: %(default)s)")
+    group.add_argument("--streaming-tokens", type=int, default=_DEFAULT_DECODE.streaming_tokens,
+                       help="magicdec: prompt tokens the drafter reads, sinks + the most recent (default: %(default)s)")
     group.add_argument("--truncate", default=_DEFAULT_DECODE.truncate, choices=["middle", "error"], help="what to do with a document longer than the window")
 
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from rapidspec.config import MODES, TARGET_READS_RETRIEVED, DecodeConfig
+from rapidspec.config import MODES, TARGET_READS_RETRIEVED, USES_DRAFTER, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.prompts import prompt_ids
 from rapidspec.evaluation.memory import GIB, PeakMemory
@@ -193,7 +193,7 @@ def _engine_measurement(engine, item: BenchItem, config: DecodeConfig, profile: 
         prompt_tokens_drafter=s.prompt_tokens_drafter,
         retrieval_seconds=s.retrieval_seconds,
         target_prefill_seconds=s.target_prefill_seconds,
-        drafter_prefill_seconds=s.drafter_prefill_seconds if config.mode in ("sd", "ragsd", "rapid") else None,
+        drafter_prefill_seconds=s.drafter_prefill_seconds if config.mode in USES_DRAFTER else None,
         decode_seconds=s.decode_seconds,
         total_seconds=s.total_seconds,
         new_tokens=s.new_tokens,
@@ -289,7 +289,7 @@ def _summarise(variant: Variant, item_index: int, item: BenchItem, runs: list[Me
     last = runs[-1]
     config = variant.config
     split = None
-    if profile and variant.mode in ("sd", "ragsd", "rapid"):
+    if profile and variant.mode in USES_DRAFTER:
         rounds = _median([m.rounds for m in runs]) or 1
         split = {}
         for name in ("draft", "verify", "accept", "bookkeeping"):
@@ -315,7 +315,7 @@ def _summarise(variant: Variant, item_index: int, item: BenchItem, runs: list[Me
         acceptance_rate=_median([m.acceptance_rate for m in runs]),
         mean_accepted_length=_median([m.mean_accepted_length for m in runs]),
         eta=config.effective_eta if config is not None else None,
-        gamma=config.gamma if config is not None and variant.mode in ("sd", "ragsd", "rapid") else None,
+        gamma=config.gamma if config is not None and variant.mode in USES_DRAFTER else None,
         sweep_value=variant.sweep_value,
         peak_rss_gib=max(m.peak_rss_bytes for m in runs) / GIB,
         peak_cuda_gib=None if last.peak_cuda_bytes is None else max(m.peak_cuda_bytes or 0 for m in runs) / GIB,

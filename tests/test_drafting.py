@@ -1,0 +1,57 @@
+"""Mode magicdec: the drafter reads a StreamingLLM view (sinks + recent tokens) of the target's prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidspec import DecodeConfig, Rapid
+from rapidspec.drafting import streaming_view
+from rapidspec.errors import RapidspecError
+from rapidspec.retrieval import RetrievalConfig
+
+DOCUMENT = "\n\n".join(f"Entry {i}: the ferry left pier {i % 9} at {i} minutes past noon." for i in range(60))
+QUESTION = "When did the ferry of entry 41 leave?"
+
+
+def test_streaming_view_keeps_sinks_and_the_most_recent_tokens():
+    ids = list(range(100))
+    assert streaming_view(ids, 4, 20) == (0, 1, 2, 3, *range(84, 100))
+    assert streaming_view(ids, 0, 10) == tuple(range(90, 100))
+    assert streaming_view(ids, 4, 100) == tuple(ids)  # it fits: the whole prompt
+    assert streaming_view(ids[:5], 4, 20) == tuple(range(5))
+
+
+def test_the_drafter_prompt_is_the_view_of_the_target_prompt(tiny_model):
+    engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"))
+    config = DecodeConfig(mode="magicdec", sink_tokens=4, streaming_tokens=256, max_new_tokens=8)
+    prompts = engine.document_prompts(DOCUMENT, QUESTION, config)
+    assert len(prompts.target_ids) > 1000 and prompts.retrieval is None
+    assert prompts.drafter_ids == prompts.target_ids[:4] + prompts.target_ids[-252:]
+    messages = [{"role": "user", "content": DOCUMENT}, {"role": "assistant", "content": "Noted."},
+                {"role": "user", "content": QUESTION}]
+    chat = engine.chat_prompts(messages, config, raw=True)
+    assert chat.drafter_ids == chat.target_ids[:4] + chat.target_ids[-252:]
+
+
+@pytest.mark.parametrize("drafter", ["self", "other"])
+def test_greedy_magicdec_equals_lc_and_drafts_from_the_short_view(tiny_model, other_tiny_model, drafter):
+    engine = Rapid(tiny_model, other_tiny_model if drafter == "other" else None, retrieval=RetrievalConfig(method="bm25"))
+    expected = engine.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24, ignore_eos=True)
+    got = engine.generate(DOCUMENT, QUESTION, mode="magicdec", streaming_tokens=128, gamma=4, max_new_tokens=24,
+                          ignore_eos=True)
+    assert got.token_ids == expected.token_ids
+    assert got.stats.prompt_tokens_drafter == 128 < got.stats.prompt_tokens_target
+    assert got.stats.rounds > 0 and got.stats.retrieved_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(mode="magicdec", eta=1.0), "eta applies to mode 'rapid' only"),
+        (dict(mode="magicdec", sink_tokens=-1), "sink_tokens must be"),
+        (dict(mode="magicdec", sink_tokens=64, streaming_tokens=70), "streaming_tokens must be"),
+    ],
+)
+def test_bad_streaming_options_are_clear_errors(options, message):
+    with pytest.raises(RapidspecError, match=message):
+        DecodeConfig(**options)
