@@ -106,6 +106,7 @@ class Rapid:
         question: str,
         *,
         query: str | None = None,
+        corpus: str | None = None,
         config: DecodeConfig | None = None,
         generator: torch.Generator | None = None,
         profile: bool = False,
@@ -116,10 +117,12 @@ class Rapid:
 
         ``options`` are :class:`DecodeConfig` fields (``mode``, ``eta``, ...) or
         pass a ready ``config``; ``query`` is what retrieval searches for
-        (default: the question); the rest as in :meth:`decode`.
+        (default: the question); ``corpus`` what it searches in (default: the
+        document; another text gives the drafter unrelated chunks on purpose);
+        the rest as in :meth:`decode`.
         """
         config = DecodeConfig.from_options(config, options)
-        prompts = self.document_prompts(document, question, config, query=query)
+        prompts = self.document_prompts(document, question, config, query=query, corpus=corpus)
         yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer)
 
     def stream_chat(
@@ -144,12 +147,14 @@ class Rapid:
         prompts = self.chat_prompts(messages, config, documents=documents, query=query, recent_messages=recent_messages)
         yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer)
 
-    def document_prompts(self, document: str, question: str, config: DecodeConfig, query: str | None = None) -> PromptPair:
-        """The target's and drafter's prompts of a (document, question) pair."""
+    def document_prompts(
+        self, document: str, question: str, config: DecodeConfig, query: str | None = None, corpus: str | None = None
+    ) -> PromptPair:
+        """The target's and drafter's prompts of a (document, question) pair (``corpus``: see :meth:`stream`)."""
         target_window, drafter_window = self._windows(config)
         return document_prompts(
             self.tokenizer, self.template, self.retriever, document, question, config, target_window, drafter_window,
-            query=query,
+            query=query, corpus=corpus,
         )
 
     def chat_prompts(

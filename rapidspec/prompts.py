@@ -166,14 +166,21 @@ def document_prompts(
     target_window: int,
     drafter_window: int,
     query: str | None = None,
+    corpus: str | None = None,
 ) -> PromptPair:
-    """The prompts of a (document, question) pair for ``config.mode`` (DESIGN.md section 2)."""
+    """The prompts of a (document, question) pair for ``config.mode`` (DESIGN.md section 2).
+
+    ``corpus``: the text retrieval reads instead of ``document`` (an unrelated
+    document, for robustness studies); the target still reads ``document``.
+    """
     if not document or not document.strip():
         raise RapidspecError("the document is empty", param="document")
     if not question or not question.strip():
         raise RapidspecError("the question is empty", param="question")
     mode = config.mode
-    retrieval = retriever.retrieve(document, query or question) if mode in USES_RETRIEVAL else None
+    if corpus is not None and not corpus.strip():
+        raise RapidspecError("the retrieval corpus is empty", param="corpus")
+    retrieval = retriever.retrieve(corpus or document, query or question) if mode in USES_RETRIEVAL else None
     target_reads_retrieved = mode in TARGET_READS_RETRIEVED
     target_doc = retrieval.text if target_reads_retrieved else document
     target_doc, truncated = fit_document(tokenizer, template, target_doc, question, target_window, config.truncate)

@@ -55,3 +55,20 @@ def test_greedy_magicdec_equals_lc_and_drafts_from_the_short_view(tiny_model, ot
 def test_bad_streaming_options_are_clear_errors(options, message):
     with pytest.raises(RapidspecError, match=message):
         DecodeConfig(**options)
+
+
+def test_bad_retrieval_on_purpose_random_chunks_and_another_corpus(tiny_model):
+    engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="random", chunk_tokens=64, budget_tokens=192))
+    first = engine.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=4)
+    again = engine.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=4)
+    spans = [c.span for c in first.retrieval.chunks]
+    assert spans == [c.span for c in again.retrieval.chunks]  # reproducible
+    assert 0 < first.retrieval.num_tokens <= 192
+    bm25 = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=192))
+    assert spans != [c.span for c in bm25.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=4).retrieval.chunks]
+    other = "\n\n".join(f"Orchard row {i} grew {i * 3} pears." for i in range(40))
+    unrelated = bm25.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=4, corpus=other)
+    assert all(chunk.text in other for chunk in unrelated.retrieval.chunks)
+    assert unrelated.stats.prompt_tokens_target == first.stats.prompt_tokens_target  # the target reads the document
+    with pytest.raises(RapidspecError, match="corpus is empty"):
+        bm25.generate(DOCUMENT, QUESTION, mode="rapid", corpus="  ")

@@ -70,6 +70,15 @@ def test_eval_passes_draft_confidence_through(tiny_cli, tmp_path, capsys):
     assert stats["drafted_tokens"] >= 2 and stats["drafted_per_position"] == [stats["drafted_tokens"]]
 
 
+def test_eval_sweep_from_the_command_line(tiny_cli, tmp_path, capsys):
+    data = write_leval(tmp_path / "quality.jsonl")
+    assert main(["eval", "--data", str(data), "--limit", "1", "--modes", "lc,rapid", "--max-new-tokens", "4",
+                 "--sweep", "eta=0,4", "--retrieve-from", "other-item", *SMALL_RETRIEVAL]) == 0
+    summary, out = last_json(capsys)
+    assert [(row["mode"], row["sweep"]) for row in summary["summary"]] == [("lc", None), ("rapid", "eta=0"), ("rapid", "eta=4")]
+    assert any("eta=4" in line for line in out)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -81,6 +90,9 @@ def test_eval_passes_draft_confidence_through(tiny_cli, tmp_path, capsys):
         (["--format", "synthetic", "--tasks", "niah_nothing"], "synthetic task"),
         (["--format", "synthetic", "--lengths", "99999"], "window"),
         (["--format", "leval"], "--data is required"),
+        (["--data", "{leval}", "--sweep", "temperature=0,1"], "sweep must look like"),
+        (["--data", "{leval}", "--sweep", "budget_tokens=0"], "budget_tokens values must be >= 1"),
+        (["--data", "{leval}", "--retrieve-from", "{missing}"], "--retrieve-from"),
     ],
 )
 def test_eval_user_mistakes_exit_2_with_one_line(tiny_cli, tmp_path, capsys, argv, message):

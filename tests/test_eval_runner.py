@@ -8,7 +8,8 @@ import pytest
 
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import load_items
-from rapidspec.evaluation.runner import record_key, run_eval, summarize
+from rapidspec.evaluation.runner import record_key, retrieval_corpora, run_eval, summarize
+from rapidspec.evaluation.variants import parse_eval_sweep
 from rapidspec.retrieval import RetrievalConfig
 from tests.test_eval_datasets import write_leval, write_longbench2
 
@@ -123,3 +124,39 @@ def test_bad_arguments(items, tiny_model):
         run([], tiny_model, None)
     with pytest.raises(RapidspecError, match="unique"):
         run([items[0], items[0]], tiny_model, None)
+
+
+def test_a_sweep_multiplies_only_the_modes_that_use_its_knob(items, tiny_model, tmp_path):
+    path = tmp_path / "results.jsonl"
+    result = run(items[:2], tiny_model, path, sweep=parse_eval_sweep("eta=0,3"))
+    records = read(path)
+    assert [(r["mode"], r["sweep"]) for r in records[:4]] == [("lc", None), ("rag", None), ("rapid", "eta=0"), ("rapid", "eta=3")]
+    assert [r["eta"] for r in records if r["mode"] == "rapid"] == [0.0, 3.0, 0.0, 3.0]
+    assert {(row.mode, row.sweep) for row in result.summary} == {("lc", None), ("rag", None), ("rapid", "eta=0"), ("rapid", "eta=3")}
+    # more points later: only the new ones run, and the file's configuration still matches
+    again = run(items[:2], tiny_model, path, sweep=parse_eval_sweep("eta=0,3,5"))
+    assert again.new_records == 2 and again.skipped == 8
+
+
+def test_a_budget_sweep_gives_the_retrieving_modes_each_budget(items, tiny_model, tmp_path):
+    result = run(items[:1], tiny_model, tmp_path / "results.jsonl", sweep=parse_eval_sweep("budget_tokens=64,192"))
+    by_run = {(r["mode"], r["sweep"]): r for r in result.records}
+    assert set(by_run) == {("lc", None), ("rag", "budget_tokens=64"), ("rag", "budget_tokens=192"),
+                           ("rapid", "budget_tokens=64"), ("rapid", "budget_tokens=192")}
+    for mode in ("rag", "rapid"):
+        small, large = by_run[(mode, "budget_tokens=64")]["stats"], by_run[(mode, "budget_tokens=192")]["stats"]
+        assert 0 < small["retrieved_tokens"] <= 64 < large["retrieved_tokens"] <= 192
+
+
+def test_retrieval_from_another_item_or_a_file(items, tiny_model, tmp_path):
+    corpora = retrieval_corpora(items, "other-item")
+    for item in items:
+        assert corpora[item.id] != item.document and corpora[item.id] in {i.document for i in items}
+    other = tmp_path / "other.txt"
+    other.write_text("Unrelated: the orchard grew pears and plums.\n\n" * 30, encoding="utf-8")
+    assert set(retrieval_corpora(items, str(other)).values()) == {other.read_text(encoding="utf-8")}
+    with pytest.raises(RapidspecError, match="two different documents"):
+        retrieval_corpora(items[:1], "other-item")
+    result = run(items[:1], tiny_model, tmp_path / "results.jsonl", modes=("rapid",), retrieve_from=str(other))
+    assert result.records[0]["config"]["retrieve_from"] == str(other)
+    assert result.records[0]["retrieved_chunks"] >= 1

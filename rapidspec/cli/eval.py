@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import fields
 
 from rich.console import Console
@@ -20,6 +21,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import FORMATS, load_items
 from rapidspec.evaluation.runner import DEFAULT_MODES, parse_modes, run_eval
 from rapidspec.evaluation.synthetic import TASKS
+from rapidspec.evaluation.variants import parse_eval_sweep
 
 # Decode options passed through to every generation when not at their defaults.
 _PASSED_THROUGH = ("gamma_schedule", "max_gamma", "draft_confidence", "top_k", "top_p", "draft_gate", "residual", "stop", "truncate", "ignore_eos")
@@ -42,6 +44,12 @@ def register(subparsers) -> None:
     parser.add_argument("--results", default=None, metavar="FILE.jsonl", help="append one JSON line per (item, mode); rerun to resume")
     parser.add_argument("--overwrite", action="store_true", help="start --results afresh even if it holds another configuration")
     parser.add_argument("--include-adversarial", action="store_true", help="LoCoMo: keep category 5 (adversarial) questions")
+    parser.add_argument("--sweep", default=None, metavar="NAME=V1,V2,...",
+                        help="run the modes that use NAME once per value: eta (rapid), gamma or draft_confidence "
+                             "(drafting modes), budget_tokens (retrieving modes), streaming_tokens (magicdec)")
+    parser.add_argument("--retrieve-from", default=None, metavar="other-item|FILE",
+                        help="retrieve the drafter's chunks from another item's document or from FILE instead of the "
+                             "item's own (unrelated retrieval on purpose; the target still reads the item's document)")
     synthetic = parser.add_argument_group("synthetic needle tasks (--format synthetic)")
     synthetic.add_argument("--lengths", default="4096", help="prompt lengths in tokens, comma-separated (default: %(default)s)")
     synthetic.add_argument("--tasks", default=",".join(TASKS), help="comma-separated (default: %(default)s)")
@@ -67,6 +75,9 @@ def _int_list(text: str, name: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     # Validate everything that does not need the model before loading it.
     modes = parse_modes(args.modes)
+    sweep = parse_eval_sweep(args.sweep) if args.sweep else None
+    if args.retrieve_from not in (None, "other-item") and not os.path.isfile(args.retrieve_from):
+        raise RapidspecError(f"--retrieve-from takes other-item or a file; {args.retrieve_from} is not a file")
     base = decode_config(args, mode="rapid", max_new_tokens=args.max_new_tokens or 64)
     defaults = DecodeConfig()
     passed = {f.name: getattr(base, f.name) for f in fields(DecodeConfig)
@@ -98,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         label = f"synthetic lengths={','.join(map(str, lengths))} tasks={','.join(tasks)} seed={args.seed}"
     else:
         label = str(args.data)
+    every_item = items
     if args.limit is not None:
         items = items[: args.limit]
 
@@ -105,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         items, target, drafter=drafter, retrieval=retrieval, modes=modes, eta=args.eta, gamma=args.gamma,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         results=args.results, overwrite=args.overwrite, data_label=label, decode_options=passed,
+        sweep=sweep, retrieve_from=args.retrieve_from, other_items=every_item,
     )
     if not args.json_only:
         Console(width=160).print(summary_table(result.summary, title=f"{target.name} on {label}"))
@@ -122,12 +135,12 @@ def _fmt(value, spec: str) -> str:
 
 def summary_table(rows, title: str | None = None) -> Table:
     table = Table(title=title)
-    for name in ("task", "mode", "η", "γ", "n", "metric", "mean [95% CI]", "EM", "no answer", "decode tok/s", "accept",
+    for name in ("task", "mode", "η", "γ", "sweep", "n", "metric", "mean [95% CI]", "EM", "no answer", "decode tok/s", "accept",
                  "mean acc. len", "prefill s"):
-        table.add_column(name, justify="left" if name in ("task", "mode", "metric") else "right")
+        table.add_column(name, justify="left" if name in ("task", "mode", "sweep", "metric") else "right")
     for row in rows:
         table.add_row(
-            row.group, row.mode, f"{row.eta:g}", _fmt(row.gamma, "d"), str(row.n), row.metric,
+            row.group, row.mode, f"{row.eta:g}", _fmt(row.gamma, "d"), row.sweep or "-", str(row.n), row.metric,
             f"{row.mean:.3f} [{row.ci_low:.3f}, {row.ci_high:.3f}]",
             _fmt(row.extra.get("em"), ".3f"),
             _fmt(row.extra.get("unanswered"), "d"),

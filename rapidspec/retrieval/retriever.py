@@ -311,6 +311,8 @@ class Retriever:
             return self._bm25(state).scores(query)
         if method == "dense":
             return self._dense(state).scores(query)
+        if method == "random":
+            return random_scores([c.text for c in state.chunks], query)
         bm25 = self._bm25(state).scores(query)
         dense = self._dense(state).scores(query)
         rankings = [rank_by_score(bm25, keep=bm25 > 0), rank_by_score(dense)]
@@ -326,6 +328,12 @@ class Retriever:
         if model not in state.dense:
             state.dense[model] = DenseIndex(self.embedder, [c.text for c in state.chunks], batch_size=self.config.batch_size)
         return state.dense[model]
+
+
+def random_scores(texts: Sequence[str], query: str) -> np.ndarray:
+    """A uniform score in [0, 1) per chunk text, the same for the same chunks and query.  # [len(texts)]"""
+    seed = hashlib.sha256("\0".join([query, *texts]).encode("utf-8", "surrogatepass")).digest()
+    return np.random.default_rng(int.from_bytes(seed[:8], "little")).random(len(texts))
 
 
 def _check_text(name: str, text: object) -> None:
