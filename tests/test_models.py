@@ -189,7 +189,8 @@ def test_bad_dtype_and_device_on_load(tiny_dir):
 
 
 def test_local_dir_round_trip(tiny_dir):
-    loaded = load_model(str(tiny_dir), dtype="float32", device="cpu")
+    # the stock runtime: the lean one's prepacked products differ in the last bits (tests/test_packed.py)
+    loaded = load_model(str(tiny_dir), dtype="float32", device="cpu", runtime="transformers")
     assert isinstance(loaded, LoadedModel)
     assert loaded.name == str(tiny_dir)
     assert loaded.device == torch.device("cpu") and loaded.dtype == torch.float32
@@ -264,7 +265,7 @@ def fake_gguf(tmp_path, monkeypatch):
 
 def test_gguf_is_converted_once_and_reloads_identically(fake_gguf):
     path, calls = fake_gguf
-    first = load_model(str(path), dtype="float32", device="cpu")
+    first = load_model(str(path), dtype="float32", device="cpu", runtime="transformers")
     cached = gguf_cache_dir(path)
     assert calls["model"] == 1
     assert (cached / "model.safetensors").is_file()
@@ -274,7 +275,7 @@ def test_gguf_is_converted_once_and_reloads_identically(fake_gguf):
     # No temporary directories left beside the entry.
     assert [p.name for p in cached.parent.iterdir()] == [cached.name]
 
-    second = load_model(str(path), dtype="float32", device="cpu")
+    second = load_model(str(path), dtype="float32", device="cpu", runtime="transformers")
     assert calls["model"] == 1, "second load must come from the cache"
     reference = logits(tiny_model())
     assert torch.equal(logits(first.model), reference)
@@ -346,8 +347,8 @@ def test_padded_embeddings_with_same_tokenizer_are_compatible(tmp_path):
 
 @pytest.fixture(scope="module")
 def builtin_float32():
-    """The built-in model from the user cache (converted once per machine)."""
-    return load_model("builtin", dtype="float32", device="cpu")
+    """The built-in model from the user cache (converted once per machine), with its stock weights and forward."""
+    return load_model("builtin", dtype="float32", device="cpu", runtime="transformers")
 
 
 @pytest.mark.slow
