@@ -11,11 +11,11 @@ to use it. Nothing of transformers is patched. Two paths:
 
 * **Short queries on CPU where it is faster** (decode steps and
   verification, at most :data:`MATMUL_MAX_QUERY` tokens, see
-  :func:`matmul_path_pays`; which path wins depends on the CPU, so it is
+  :func:`short_query_path`; which path wins depends on the CPU, so it is
   measured once per shape class): the query heads of each key/value group
   are stacked into one matrix, so attention is two matrix products per
-  key/value head straight on the cached keys and values (no head repetition,
-  no upcast of the cache). On 2 CPU cores, per layer of Qwen2.5-1.5B
+  key/value head (or two batched products over all of them) straight on the
+  cached keys and values (no head repetition, no upcast of the cache). On 2 CPU cores, per layer of Qwen2.5-1.5B
   at 16K keys in bfloat16, PyTorch's ``scaled_dot_product_attention`` took about
   19 ms for one query (12.7 ms for 7), this path 0.7 ms (3.2 ms). Scores and
   probabilities are held in the model's dtype (rounded where transformers'
@@ -43,51 +43,59 @@ from transformers.masking_utils import sdpa_mask
 logger = logging.getLogger(__name__)
 
 ATTENTION = "rapidspec_sdpa_gqa"
-#: Longest query (tokens) that may take the matrix-product path on CPU.
+#: Longest query (tokens) that may take a matrix-product path on CPU.
 MATMUL_MAX_QUERY = 32
-#: How short CPU queries choose their path: ``"measure"`` (default) times both
-#: once per shape class (:func:`matmul_path_faster`); ``"matmul"`` and
-#: ``"sdpa"`` force one (tests, comparisons).
+#: The paths a short CPU query can take: per key/value head products
+#: (``matmul``), one batched product over the key/value heads (``batched``),
+#: or PyTorch's SDPA (``sdpa``).
+SHORT_QUERY_PATHS = ("matmul", "batched", "sdpa")
+#: How short CPU queries choose their path: ``"measure"`` (default) times
+#: every path once per shape class (:func:`fastest_short_query_path`); a name
+#: of :data:`SHORT_QUERY_PATHS` forces it (tests, comparisons).
 SHORT_QUERY_PATH = "measure"
 #: Fewest keys of a shape class; shorter caches count as this many.
 MEASURE_MIN_KEYS = 256
 
 
-def matmul_path_pays(query: torch.Tensor, kv_heads: int, kv_len: int) -> bool:
-    """Whether a short query ([..., heads, q_len, head_dim]) on CPU takes :func:`grouped_matmul_attention`.
+def short_query_path(query: torch.Tensor, kv_heads: int, kv_len: int) -> str:
+    """The path (:data:`SHORT_QUERY_PATHS`) of a query [..., heads, q_len, head_dim] over ``kv_len`` keys.
 
-    Which path is faster depends on the CPU, not only on the shape. Per 30
-    layers of SmolLM2 (head_dim 64) in bfloat16 on 2 cores, one query over 8K
-    keys: an AVX2-only EPYC ran SDPA in 57 ms at 16K keys against 66 ms for
-    the matrix products (and 1.9 vs 12.4 ms at 528 keys), while an AVX-512
-    EPYC with bfloat16 instructions ran SDPA in 254 ms (8.5 ms a layer)
-    against 18 ms. So the choice is measured on the machine it runs on.
+    Only short queries on CPU have a choice. Which path is fastest depends on
+    the CPU, not only on the shape. Per 30 layers of SmolLM2 (head_dim 64) in
+    bfloat16 on 2 cores, one query: an AVX2-only EPYC ran SDPA in 57 ms at 16K
+    keys against 66 ms for the per-head products (and 1.9 vs 12.4 ms at 528
+    keys), while an AVX-512 EPYC with bfloat16 instructions ran SDPA in 254 ms
+    at 8K keys against 18 ms, and at 528 keys the batched product in 6.5 ms
+    against 11.8 (per-head) and 12.6 (SDPA). So the choice is measured on the
+    machine it runs on.
     """
     if query.device.type != "cpu" or query.shape[-2] > MATMUL_MAX_QUERY:
-        return False
+        return "sdpa"
     if SHORT_QUERY_PATH != "measure":
-        return SHORT_QUERY_PATH == "matmul"
+        return SHORT_QUERY_PATH
     heads, q_len, head_dim = query.shape[-3:]
     keys = max(MEASURE_MIN_KEYS, 1 << (max(kv_len, 1).bit_length() - 1))  # power-of-two class of kv_len
-    return matmul_path_faster(query.dtype, heads, kv_heads, q_len, keys, head_dim, torch.get_num_threads())
+    return fastest_short_query_path(query.dtype, heads, kv_heads, q_len, keys, head_dim, torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=None)
-def matmul_path_faster(
+def fastest_short_query_path(
     dtype: torch.dtype, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, threads: int
-) -> bool:
-    """Whether :func:`grouped_matmul_attention` beats SDPA on this CPU for this shape (measured once, median of 5).
+) -> str:
+    """The fastest of :data:`SHORT_QUERY_PATHS` on this CPU for this shape (measured once, medians of 5).
 
     Costs a few milliseconds per shape class; ``threads`` is part of the key
-    because the answer depends on it.
+    because the answer depends on it. Keys and values are views of longer
+    buffers, as in a cache.
     """
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(1, heads, q_len, head_dim, generator=generator).to(dtype)
-    key = torch.randn(1, kv_heads, kv_len, head_dim, generator=generator).to(dtype)
-    value = torch.randn(1, kv_heads, kv_len, head_dim, generator=generator).to(dtype)
+    key = torch.randn(1, kv_heads, kv_len + 64, head_dim, generator=generator).to(dtype)[:, :, :kv_len]
+    value = torch.randn(1, kv_heads, kv_len + 64, head_dim, generator=generator).to(dtype)[:, :, :kv_len]
     scaling = head_dim**-0.5
     candidates = {
         "matmul": lambda: grouped_matmul_attention(query, key, value, None, scaling),
+        "batched": lambda: grouped_matmul_attention(query, key, value, None, scaling, batched=True),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
             query, key, value, scale=scaling, enable_gqa=heads != kv_heads
         ),
@@ -102,7 +110,7 @@ def matmul_path_faster(
                     seconds[name].append(time.perf_counter() - started)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     logger.debug("attention %s h%d/%d q%d n%d d%d: %s", dtype, heads, kv_heads, q_len, kv_len, head_dim, medians)
-    return medians["matmul"] < medians["sdpa"]
+    return min(medians, key=medians.get)
 
 
 def grouped_matmul_attention(
@@ -111,23 +119,28 @@ def grouped_matmul_attention(
     value: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
     attention_mask: torch.Tensor | None,  # bool (True = attend) or additive float, broadcastable to [batch, 1, q_len, kv_len]
     scaling: float,
+    batched: bool = False,
 ) -> torch.Tensor:
     """Attention [batch, heads, q_len, head_dim] as two matrix products per key/value group.
 
     Query heads ``h`` of group ``j`` are ``j * groups .. (j + 1) * groups - 1``
-    (the layout of transformers' ``repeat_kv``).
+    (the layout of transformers' ``repeat_kv``). By default one 2-D product
+    per (sequence, key/value head): each head's [kv_len, d] block of a cache
+    is contiguous, while batched products over views of longer buffers may
+    copy them first. ``batched`` makes it one product over all heads instead,
+    fewer calls, which pays on short caches (:func:`short_query_path`).
     """
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     stacked = query.reshape(batch, kv_heads, groups * q_len, head_dim)  # [b, kv, g*q, d]
-    # One 2-D product per (sequence, key/value head): the cached keys and values
-    # are views of longer buffers (rapidspec.cache), which batched products
-    # would first copy, while each head's [kv_len, d] block is contiguous.
-    scores = query.new_empty(batch, kv_heads, groups * q_len, kv_len)
-    for b in range(batch):
-        for j in range(kv_heads):
-            torch.matmul(stacked[b, j], key[b, j].transpose(0, 1), out=scores[b, j])  # [g*q, n]
+    if batched:
+        scores = torch.matmul(stacked, key.transpose(-1, -2))  # [b, kv, g*q, n]
+    else:
+        scores = query.new_empty(batch, kv_heads, groups * q_len, kv_len)
+        for b in range(batch):
+            for j in range(kv_heads):
+                torch.matmul(stacked[b, j], key[b, j].transpose(0, 1), out=scores[b, j])  # [g*q, n]
     scores = scores.mul_(scaling).view(batch, kv_heads, groups, q_len, kv_len)  # [b, kv, g, q, n]
     if attention_mask is not None:
         mask = attention_mask[:, :, None]  # [b|1, 1, 1, q, n]
@@ -143,6 +156,8 @@ def grouped_matmul_attention(
     # rounds once, like softmax(dtype=float32).to(dtype) but without the two
     # extra passes over [g*q, n] that cost more than the products at 16K keys.
     probs = scores.softmax(dim=-1).view(batch, kv_heads, groups * q_len, kv_len)
+    if batched:
+        return torch.matmul(probs, value).view(batch, heads, q_len, head_dim)  # [b, h, q, d]
     output = query.new_empty(batch, kv_heads, groups * q_len, head_dim)
     for b in range(batch):
         for j in range(kv_heads):
@@ -160,9 +175,10 @@ def attend(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Attention [batch, heads, q_len, head_dim] on the path that pays for its shape (module docstring)."""
-    if not is_causal and matmul_path_pays(query, key.shape[1], key.shape[2]) and dropout_p == 0.0:
+    path = "sdpa" if is_causal or dropout_p else short_query_path(query, key.shape[1], key.shape[2])
+    if path != "sdpa":
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return grouped_matmul_attention(query, key, value, mask, scaling)
+        return grouped_matmul_attention(query, key, value, mask, scaling, batched=path == "batched")
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling, is_causal=is_causal,
         enable_gqa=query.shape[1] != key.shape[1],

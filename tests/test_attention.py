@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from rapidspec import attention
-from rapidspec.attention import grouped_matmul_attention, matmul_path_pays, register
+from rapidspec.attention import grouped_matmul_attention, register, short_query_path
 from rapidspec.cache import KVCache
 from tests.conftest import make_tiny_model
 
 
-@pytest.fixture(params=["matmul", "sdpa"])
-def short_query_path(request, monkeypatch):
+@pytest.fixture(params=["matmul", "batched", "sdpa"])
+def forced_path(request, monkeypatch):
     """Run each model-level test with short queries on either path (the tiny heads never reach the thresholds)."""
     monkeypatch.setattr(attention, "SHORT_QUERY_PATH", request.param)
     return request.param
@@ -18,20 +18,19 @@ def short_query_path(request, monkeypatch):
 
 def test_short_query_path_is_forced_or_measured_once_per_shape_class(monkeypatch):
     query = torch.empty(1, 6, 1, 32)
-    assert not matmul_path_pays(torch.empty(1, 6, 64, 32), 2, 4096)  # a prefill chunk never
-    monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "sdpa")
-    assert not matmul_path_pays(query, 2, 4096)
     monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "matmul")
-    assert matmul_path_pays(query, 2, 4096)
+    assert short_query_path(torch.empty(1, 6, 64, 32), 2, 4096) == "sdpa"  # a prefill chunk never
+    assert short_query_path(query, 2, 4096) == "matmul"
     monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "measure")
-    attention.matmul_path_faster.cache_clear()
-    first = matmul_path_pays(query, 2, 600)
-    assert matmul_path_pays(query, 2, 1000) == first  # 600 and 1000 keys are one class (512..1023)
-    info = attention.matmul_path_faster.cache_info()
+    attention.fastest_short_query_path.cache_clear()
+    first = short_query_path(query, 2, 600)
+    assert first in attention.SHORT_QUERY_PATHS
+    assert short_query_path(query, 2, 1000) == first  # 600 and 1000 keys are one class (512..1023)
+    info = attention.fastest_short_query_path.cache_info()
     assert (info.misses, info.hits) == (1, 1)
 
 
-def test_gqa_attention_matches_sdpa(byte_tokenizer, short_query_path):
+def test_gqa_attention_matches_sdpa(byte_tokenizer, forced_path):
     reference = make_tiny_model(5, byte_tokenizer).model
     native = make_tiny_model(5, byte_tokenizer).model
     native.set_attn_implementation(register())
@@ -50,7 +49,7 @@ def test_gqa_attention_matches_sdpa(byte_tokenizer, short_query_path):
             torch.testing.assert_close(step, full[287:288].float(), atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_steps_stay_within_bf16_rounding_of_sdpa(byte_tokenizer, short_query_path):
+def test_bf16_steps_stay_within_bf16_rounding_of_sdpa(byte_tokenizer, forced_path):
     """In bfloat16 the matrix-product path (1-token step, 7-token verify) is as close to float32 as sdpa."""
     reference = make_tiny_model(6, byte_tokenizer).model.to(torch.bfloat16)
     native = make_tiny_model(6, byte_tokenizer).model.to(torch.bfloat16)
@@ -88,5 +87,6 @@ def test_grouped_matmul_attention_equals_repeated_heads(mask_kind, q_len):
     additive = torch.randn(batch, 1, q_len, kv_len, generator=generator)
     mask = {"none": None, "causal": causal, "padding": padded, "additive": additive}[mask_kind]
     expected = _repeat_kv_reference(query, key, value, mask, 0.25)
-    got = grouped_matmul_attention(query, key, value, mask, 0.25)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for batched in (False, True):
+        got = grouped_matmul_attention(query, key, value, mask, 0.25, batched=batched)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
