@@ -134,8 +134,8 @@ def grouped_matmul_attention(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     stacked = query.reshape(batch, kv_heads, groups * q_len, head_dim)  # [b, kv, g*q, d]
-    if batched:
-        scores = torch.matmul(stacked, key.transpose(-1, -2))  # [b, kv, g*q, n]
+    if batched:  # torch.bmm per sequence: 4-D matmul would copy the strided cache views
+        scores = torch.stack([torch.bmm(stacked[b], key[b].transpose(1, 2)) for b in range(batch)])  # [b, kv, g*q, n]
     else:
         scores = query.new_empty(batch, kv_heads, groups * q_len, kv_len)
         for b in range(batch):
@@ -157,7 +157,8 @@ def grouped_matmul_attention(
     # extra passes over [g*q, n] that cost more than the products at 16K keys.
     probs = scores.softmax(dim=-1).view(batch, kv_heads, groups * q_len, kv_len)
     if batched:
-        return torch.matmul(probs, value).view(batch, heads, q_len, head_dim)  # [b, h, q, d]
+        output = torch.stack([torch.bmm(probs[b], value[b]) for b in range(batch)])  # [b, kv, g*q, d]
+        return output.view(batch, heads, q_len, head_dim)  # [b, h, q, d]
     output = query.new_empty(batch, kv_heads, groups * q_len, head_dim)
     for b in range(batch):
         for j in range(kv_heads):

@@ -24,7 +24,8 @@ from rapidspec.evaluation.synthetic import TASKS
 from rapidspec.evaluation.variants import parse_eval_sweep
 
 # Decode options passed through to every generation when not at their defaults.
-_PASSED_THROUGH = ("gamma_schedule", "max_gamma", "draft_confidence", "top_k", "top_p", "draft_gate", "residual", "stop", "truncate", "ignore_eos")
+_PASSED_THROUGH = ("gamma_schedule", "max_gamma", "draft_confidence", "top_k", "top_p", "draft_gate", "residual", "stop",
+                   "truncate", "ignore_eos", "sink_tokens", "streaming_tokens")
 
 
 def register(subparsers) -> None:
