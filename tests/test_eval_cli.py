@@ -34,6 +34,9 @@ def test_eval_end_to_end_and_resume(tiny_cli, tmp_path, capsys):
     assert any("mean [95% CI]" in line for line in out)  # the rich table precedes the JSON line
     rows = {row["mode"]: row for row in summary["summary"]}
     assert rows["rapid"]["n"] == 2 and rows["rapid"]["metric"] == "accuracy" and rows["rapid"]["eta"] == 2.0
+    (who,) = summary["breakdown"]  # the Figure 2 split of rapid's answers by lc's and rag's
+    assert who["mode"] == "rapid" and who["n"] == 2 and sum(who["items"].values()) == 2
+    assert any("only here" in line for line in out)
     assert len(results.read_text().splitlines()) == 6
     assert main([*argv, "--json-only"]) == 0
     again, out = last_json(capsys)

@@ -18,6 +18,7 @@ from rich.table import Table
 from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_models, retrieval_config
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
+from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown
 from rapidspec.evaluation.datasets import FORMATS, load_items
 from rapidspec.evaluation.runner import DEFAULT_MODES, parse_modes, run_eval
 from rapidspec.evaluation.synthetic import TASKS
@@ -120,14 +121,30 @@ def run(args: argparse.Namespace) -> int:
         results=args.results, overwrite=args.overwrite, data_label=label, decode_options=passed,
         sweep=sweep, retrieve_from=args.retrieve_from, other_items=every_item,
     )
+    who = breakdown(result.records)
     if not args.json_only:
-        Console(width=160).print(summary_table(result.summary, title=f"{target.name} on {label}"))
+        console = Console(width=160)
+        console.print(summary_table(result.summary, title=f"{target.name} on {label}"))
+        if who:
+            console.print(breakdown_table(who))
     print(json.dumps({
         "model": target.name, "data": label, "items": len(items), "modes": list(modes),
         "new_records": result.new_records, "resumed_records": result.skipped, "results": args.results,
-        "summary": [row.to_dict() for row in result.summary],
+        "summary": [row.to_dict() for row in result.summary], "breakdown": [row.to_dict() for row in who],
     }))
     return 0
+
+
+def breakdown_table(rows) -> Table:
+    """Who got it right (lc / rag split) and how each other run did in each group."""
+    table = Table(title=f"right answers (score >= {RIGHT_AT}) by who else got them right: run right / items")
+    for name in ("task", "mode", "η", "sweep", "n", *GROUPS.values(), "only here", "lost vs lc"):
+        table.add_column(name, justify="left" if name in ("task", "mode", "sweep") else "right")
+    for row in rows:
+        cells = [f"{row.right[g]}/{row.items[g]}" for g in GROUPS.values()]
+        table.add_row(row.group, row.mode, f"{row.eta:g}", row.sweep or "-", str(row.n), *cells, str(row.only_here),
+                      str(row.lost))
+    return table
 
 
 def _fmt(value, spec: str) -> str:

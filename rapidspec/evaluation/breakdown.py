@@ -1,0 +1,91 @@
+"""Who got each item right: the paper's Figure 2 breakdown, from eval records.
+
+Items are split by the two references, ``lc`` (the target reading
+everything) and ``rag`` (the model reading the retrieved text only, which is
+what a self-speculating drafter reads): right in both, in ``lc`` only, in
+``rag`` only, or in neither. For every other run (rapid, ragsd, magicdec, at
+each η and sweep point) the breakdown counts how many items of each group it
+got right. Its right answers in the "neither" group are the paper's
+"RAPID only" successes; its wrong answers where ``lc`` was right are what it
+lost against the target. An answer counts as right when its score is at least
+:data:`RIGHT_AT` (accuracy is 0 or 1; F1, ROUGE-L and recall are graded).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Score from which an answer counts as right.
+RIGHT_AT = 0.5
+#: The groups, by (lc right, rag right).
+GROUPS = {(True, True): "both", (True, False): "lc only", (False, True): "rag only", (False, False): "neither"}
+
+
+@dataclass(frozen=True)
+class BreakdownRow:
+    """One run (task group, mode, eta, gamma, sweep point) against the lc/rag split of the same items."""
+
+    group: str
+    mode: str
+    eta: float
+    gamma: int | None
+    sweep: str | None
+    items: dict[str, int]  # group name -> items in it
+    right: dict[str, int]  # group name -> items this run got right
+
+    @property
+    def n(self) -> int:
+        return sum(self.items.values())
+
+    @property
+    def only_here(self) -> int:
+        """Right where neither lc nor rag was (the paper's "RAPID only")."""
+        return self.right["neither"]
+
+    @property
+    def lost(self) -> int:
+        """Wrong where lc was right."""
+        return self.items["both"] + self.items["lc only"] - self.right["both"] - self.right["lc only"]
+
+    def to_dict(self) -> dict:
+        return {
+            "group": self.group, "mode": self.mode, "eta": self.eta, "gamma": self.gamma, "sweep": self.sweep,
+            "n": self.n, "items": dict(self.items), "right": dict(self.right), "only_here": self.only_here,
+            "lost_vs_lc": self.lost,
+        }
+
+
+def breakdown(records: Sequence[dict]) -> list[BreakdownRow]:
+    """Rows for every run other than lc and rag, over the items where lc and rag were both scored.
+
+    A run at a ``budget_tokens`` sweep point is compared with rag at the same
+    point when there is one, else with rag's only run.
+    """
+    reference: dict[tuple, dict[str, bool]] = defaultdict(dict)  # (mode, sweep, id) -> right
+    runs: dict[tuple, dict[str, bool]] = defaultdict(dict)  # (group, mode, eta, gamma, sweep) -> id -> right
+    groups: dict[str, str] = {}
+    for record in records:
+        right = record["score"] >= RIGHT_AT
+        groups[record["id"]] = record["group"]
+        if record["mode"] in ("lc", "rag"):
+            reference[(record["mode"], record.get("sweep"), record["id"])] = right
+        else:
+            key = (record["group"], record["mode"], record["eta"], record["gamma"], record.get("sweep"))
+            runs[key][record["id"]] = right
+    rows = []
+    for (group, mode, eta, gamma, sweep), answers in runs.items():
+        items = dict.fromkeys(GROUPS.values(), 0)
+        right = dict.fromkeys(GROUPS.values(), 0)
+        for item_id, correct in answers.items():
+            lc = reference.get(("lc", None, item_id))
+            rag = reference.get(("rag", sweep, item_id), reference.get(("rag", None, item_id)))
+            if lc is None or rag is None:
+                continue
+            name = GROUPS[(lc, rag)]
+            items[name] += 1
+            right[name] += int(correct)
+        if sum(items.values()):
+            rows.append(BreakdownRow(group, mode, eta, gamma, sweep, items, right))
+    return rows
