@@ -17,7 +17,7 @@ import sys
 from rapidspec.errors import RapidspecError
 
 # Subcommand modules, in the order `rapidspec --help` lists them.
-COMMANDS = ("generate", "chat", "serve", "demo", "retrieve", "bench", "eval", "models")
+COMMANDS = ("generate", "chat", "serve", "demo", "retrieve", "bench", "eval", "report", "models")
 
 
 def build_parser() -> argparse.ArgumentParser:
