@@ -169,3 +169,17 @@ def test_synthetic_deterministic_by_seed(byte_tokenizer):
     assert [i.id for i in a][:3] == ["niah_single@1024-0", "niah_multikey@1024-0", "niah_multivalue@1024-0"]
     with pytest.raises(RapidspecError):
         needle_item("niah_unknown", 1024)
+
+
+def test_locomo_chat_form_asks_the_question_as_the_next_user_turn(tmp_path):
+    items = load_items(write_locomo(tmp_path / "locomo.json"), "locomo-chat")
+    assert [i.group for i in items] == ["locomo-chat/cat4", "locomo-chat/cat2", "locomo-chat/cat1"]
+    first = items[0]
+    roles = [m["role"] for m in first.messages]
+    assert roles == ["user", "assistant", "assistant", "user"]  # Ann speaks as the user, Bob as the assistant
+    assert first.messages[0]["content"] == "[DATE: 1:00 pm on 8 May, 2023] Ann: I adopted a cat named Biscuit."
+    assert first.messages[-1]["content"].startswith("What is Ann's cat called? Answer in the form of a short phrase")
+    assert "Use DATE of CONVERSATION" in items[1].messages[-1]["content"]  # category 2 asks for a date
+    assert first.messages[:-1] == items[1].messages[:-1]  # one history per conversation
+    assert first.query == "What is Ann's cat called?" and first.answers == ("Biscuit",)
+    assert all(not i.messages for i in load_items(tmp_path / "locomo.json"))  # the document form is unchanged

@@ -160,3 +160,18 @@ def test_retrieval_from_another_item_or_a_file(items, tiny_model, tmp_path):
     result = run(items[:1], tiny_model, tmp_path / "results.jsonl", modes=("rapid",), retrieve_from=str(other))
     assert result.records[0]["config"]["retrieve_from"] == str(other)
     assert result.records[0]["retrieved_chunks"] >= 1
+
+
+def test_chat_form_items_reuse_the_history_across_questions(tiny_model, tmp_path):
+    from tests.test_eval_datasets import write_locomo
+
+    items = load_items(write_locomo(tmp_path / "locomo.json"), "locomo-chat")
+    result = run(items, tiny_model, tmp_path / "results.jsonl", modes=("lc", "magicdec", "rapid"))
+    assert {r["group"] for r in result.records} == {"locomo-chat/cat4", "locomo-chat/cat2", "locomo-chat/cat1"}
+    lc = [r for r in result.records if r["mode"] == "lc"]
+    assert lc[0]["stats"]["prompt_tokens_target"] > 100
+    assert lc[1]["stats"]["target_prefill_reused_tokens"] > 100  # the conversation's cache serves the next question
+    rapid = [r for r in result.records if r["mode"] == "rapid"]
+    assert all(r["stats"]["rounds"] >= 1 for r in rapid)
+    with pytest.raises(RapidspecError, match="chat-form"):
+        run(items, tiny_model, None, retrieve_from="other-item")

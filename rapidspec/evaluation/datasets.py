@@ -33,7 +33,7 @@ from pathlib import Path
 from rapidspec.errors import RapidspecError
 from rapidspec.prompts import PromptTemplate
 
-FORMATS = ("longbench2", "leval", "locomo", "synthetic")
+FORMATS = ("longbench2", "leval", "locomo", "locomo-chat", "synthetic")
 TASK_TYPES = ("mc", "qa", "summary", "needle")
 
 
@@ -58,6 +58,9 @@ class EvalItem:
     group: str
     choices: tuple[str, ...] = ()
     meta: dict = field(default_factory=dict, compare=False)
+    #: Chat form: the conversation so far, ending with the question as the last user turn
+    #: (answered with :meth:`rapidspec.Rapid.chat`; ``document`` is then the transcript, for reference).
+    messages: tuple[dict, ...] = ()
 
     def __post_init__(self) -> None:
         if self.task_type not in TASK_TYPES:
@@ -224,11 +227,22 @@ def _locomo_session_keys(conversation: dict) -> list[tuple[int, str]]:
     )
 
 
-def load_locomo(samples: list[dict], include_adversarial: bool = False) -> Iterator[EvalItem]:
+#: The last user turn of a LoCoMo question in chat form.
+LOCOMO_CHAT_QUESTION = "{question} Answer in the form of a short phrase, with exact words from our conversation whenever possible."
+
+
+def load_locomo(samples: list[dict], include_adversarial: bool = False, chat: bool = False) -> Iterator[EvalItem]:
+    """LoCoMo questions about a conversation's transcript, or (``chat``) as the conversation's next user turn.
+
+    In chat form the conversation so far is the long context (the target reads
+    it, the drafter reads the turns retrieval picks) and the group names the
+    question's category (``locomo-chat/cat1`` ...), reported separately.
+    """
     for s_index, sample in enumerate(samples):
         if "conversation" not in sample or "qa" not in sample:
             raise RapidspecError(f"LoCoMo sample {s_index} lacks 'conversation' or 'qa'")
         document = locomo_document(sample["conversation"])
+        history = tuple(message for session in locomo_sessions(sample["conversation"]) for message in session) if chat else ()
         sample_id = str(sample.get("sample_id", s_index))
         for q_index, qa in enumerate(sample["qa"]):
             category = qa.get("category")
@@ -239,10 +253,14 @@ def load_locomo(samples: list[dict], include_adversarial: bool = False) -> Itera
                 continue
             question = str(qa["question"]).strip()
             prompt_question = question + (_LOCOMO_DATE_HINT if category == 2 else "")
+            messages = ()
+            if chat:
+                messages = (*history, {"role": "user", "content": LOCOMO_CHAT_QUESTION.format(question=prompt_question)})
             yield EvalItem(
                 id=f"{sample_id}-{q_index}", document=document, question=prompt_question, query=question,
-                answers=(str(answer),), task_type="qa", template=LOCOMO_TEMPLATE, group="locomo",
-                meta={"category": category, "evidence": qa.get("evidence", [])},
+                answers=(str(answer),), task_type="qa", template=LOCOMO_TEMPLATE,
+                group=f"locomo-chat/cat{category}" if chat else "locomo",
+                meta={"category": category, "evidence": qa.get("evidence", [])}, messages=messages,
             )
 
 
@@ -311,6 +329,7 @@ def load_items(
         raise RapidspecError(f"no such data file: {path}")
     content, _ = _read_json_or_lines(path)
     detected = format or detect_format(content)
+    chat = detected == "locomo-chat"
     if detected == "synthetic":
         from rapidspec.evaluation.synthetic import synthetic_items
 
@@ -322,7 +341,7 @@ def load_items(
     elif detected == "leval":
         items = list(load_leval(content, path))
     else:
-        items = list(load_locomo(content, include_adversarial))
+        items = list(load_locomo(content, include_adversarial, chat=chat))
     if not items:
         raise RapidspecError(f"{path} holds no {detected} items")
     return items

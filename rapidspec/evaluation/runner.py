@@ -263,12 +263,15 @@ def run_eval(
                     embedder=retrievers[None].loaded_embedder,
                 )
             engine.retriever = retrievers[variant.budget_tokens]
-            limit = max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type]
-            output = engine.generate(
-                item.document, item.question, query=item.query, corpus=corpora.get(item.id), mode=mode,
-                eta=variant.eta if mode == "rapid" else None, gamma=variant.gamma or gamma, temperature=temperature,
-                max_new_tokens=limit, seed=seed, **{**decode_options, **variant.decode_options},
+            options = dict(
+                query=item.query, mode=mode, eta=variant.eta if mode == "rapid" else None, gamma=variant.gamma or gamma,
+                temperature=temperature, max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type],
+                seed=seed, **{**decode_options, **variant.decode_options},
             )
+            if item.messages:  # chat form: the conversation so far is the long context
+                output = engine.chat(list(item.messages), **options)
+            else:
+                output = engine.generate(item.document, item.question, corpus=corpora.get(item.id), **options)
             metrics = score_prediction(item.task_type, output.text, item.answers, len(item.choices))
             record = {
                 "id": item.id, "group": item.group, "mode": mode, "eta": variant.eta, "gamma": variant.gamma,
@@ -303,6 +306,8 @@ def retrieval_corpora(
     """
     if retrieve_from is None:
         return {}
+    if any(item.messages for item in items):
+        raise RapidspecError("--retrieve-from applies to questions about documents, not to chat-form items")
     if retrieve_from != "other-item":
         from rapidspec.textio import read_text
 
