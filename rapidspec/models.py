@@ -368,12 +368,7 @@ def _lean_forward(model, runtime: str, name: str, split: bool = False):
 
     reason = "a model split over several devices" if split else lean_unsupported_reason(model)
     if reason is None:
-        from rapidspec.runtime.packed import pack_linears
-
-        packed = pack_linears(model)
-        if packed:
-            logger.info("%s: %d linear layers hold prepacked weights", name, packed)
-        return LeanModel(model)
+        return LeanModel(model, pack=True)
     if runtime == "lean":
         raise RapidspecError(f"runtime 'lean' is not available for {name}: {reason}; use --runtime transformers")
     logger.info("%s decodes with transformers' forward (no lean forward for %s)", name, reason)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidspec.errors import RapidspecError
-from rapidspec.runtime.packed import PackedLinear
+from rapidspec.runtime.packed import PackedLinear, ProductSlice, SharedProduct
 
 #: Accepted values of ``quantize`` options.
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -214,7 +214,8 @@ class Int4Linear(_LowBitLinear):
 
 
 def quantize_linears(model: nn.Module, method: str = "int8") -> int:
-    """Replace every ``nn.Linear`` (or :class:`PackedLinear`) of ``model`` by an int8 or int4 layer, in place.
+    """Replace every ``nn.Linear`` (or prepacked layer, :mod:`rapidspec.runtime.packed`) of ``model`` by an
+    int8 or int4 layer, in place.
 
     ``method``: ``"int8"`` or ``"int4"`` (layers whose widths int4 cannot
     take get int8). Tied weights (an output layer sharing the input
@@ -225,8 +226,10 @@ def quantize_linears(model: nn.Module, method: str = "int8") -> int:
         raise RapidspecError(f"cannot quantize linear layers with {method!r}; use one of {', '.join(QUANTIZATIONS[1:])}")
     replaced = 0
     for parent in list(model.modules()):
+        if isinstance(parent, (ProductSlice, SharedProduct)):
+            continue  # a slice is quantised as a whole: its rows of the shared weight
         for child_name, child in list(parent.named_children()):
-            if type(child) is nn.Linear or isinstance(child, PackedLinear):
+            if type(child) is nn.Linear or isinstance(child, (PackedLinear, ProductSlice)):
                 layer = Int4Linear if method == "int4" and int4_fits(child) else Int8Linear
                 setattr(parent, child_name, layer.from_linear(child))
                 replaced += 1

@@ -11,7 +11,14 @@ from rapidspec.cache import KVCache
 from rapidspec.models import load_model, low_bit_copy
 from rapidspec.quantization import Int8Linear
 from rapidspec.runtime import new_kv_cache
-from rapidspec.runtime.packed import PackedLinear, pack_linears, packed_bytes, packing_available
+from rapidspec.runtime.packed import (
+    PackedLinear,
+    ProductSlice,
+    pack_fused,
+    pack_linears,
+    packed_bytes,
+    packing_available,
+)
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.float32), reason="this PyTorch build has no oneDNN packing")
 
@@ -90,3 +97,28 @@ def test_low_bit_copy_of_a_packed_model_quantises_its_layers(tiny_model_dir):
     ids = torch.randint(0, 250, (60,), generator=torch.Generator().manual_seed(3)).tolist()
     logits = [new_kv_cache(copy).prefill(ids) for copy in copies]
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)  # same int8 weights either way
+
+
+@torch.inference_mode()
+def test_fused_products_are_shared_by_the_slices_that_stand_in_for_the_layers():
+    generator = torch.Generator().manual_seed(4)
+    fused = torch.nn.Linear(32, 48, bias=True)
+    torch.nn.init.normal_(fused.weight, generator=generator)
+    parent = torch.nn.Module()
+    for name, width in (("q", 16), ("k", 16), ("v", 16)):
+        setattr(parent, name, torch.nn.Linear(32, width))
+    packed = pack_fused(fused, parent, ["q", "k", "v"])
+    assert isinstance(packed, PackedLinear) and all(isinstance(getattr(parent, n), ProductSlice) for n in "qkv")
+    calls = []
+    original = packed.forward
+    packed.forward = lambda x: calls.append(1) or original(x)
+    x, y = torch.randn(3, 32, generator=generator), torch.randn(3, 32, generator=generator)
+    expected = F.linear(x, fused.weight, fused.bias)
+    parts = [parent.q(x), parent.k(x), parent.v(x)]
+    assert len(calls) == 1  # one product for the three layers
+    torch.testing.assert_close(torch.cat(parts, -1), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(parent.k(y), F.linear(y, fused.weight[16:32], fused.bias[16:32]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(parent.k(x), expected[:, 16:32], atol=1e-5, rtol=1e-5)  # another input: computed afresh
+    assert len(calls) == 3
+    assert torch.equal(parent.v.weight, fused.weight[32:]) and torch.equal(parent.v.bias, fused.bias[32:])
+    assert pack_fused(None, parent, ["q"]) is None

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from rapidspec.attention import causal_attention
 from rapidspec.quantization import Int8Linear
+from rapidspec.runtime.packed import pack_fused, pack_linears
 
 #: model_type values of transformers configs the lean forward implements.
 LEAN_ARCHITECTURES = ("llama", "qwen2")
@@ -66,9 +67,8 @@ def fuse_linears(modules: list[torch.nn.Module]) -> torch.nn.Module | None:
     originals then hold views of the fused weights (same values, no second
     copy in memory, transformers' forward unchanged). One product instead of
     three (q, k, v) or two (gate, up) saves a kernel launch each, which on
-    small models costs about as much as the product. Prepacked layers
-    (:mod:`rapidspec.runtime.packed`, the lean runtime's float layers on CPU)
-    do not fuse: their originals could not hold views of a fused weight.
+    small models costs about as much as the product. On CPU the lean runtime
+    then packs the fused product (:func:`rapidspec.runtime.packed.pack_fused`).
     """
     kind = type(modules[0])
     if kind not in (torch.nn.Linear, Int8Linear) or any(type(m) is not kind for m in modules):
@@ -156,7 +156,9 @@ class LeanModel:
     :class:`~rapidspec.runtime.lean_cache.LeanKVCache`.
     """
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, pack: bool = False) -> None:
+        """``pack``: keep float linear weights prepacked on CPU (:mod:`rapidspec.runtime.packed`; q/k/v and
+        gate/up fused first, transformers' forward then shares the fused products)."""
         reason = lean_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"no lean forward for this model: {reason}")
@@ -164,6 +166,17 @@ class LeanModel:
         base = model.model
         self.model = model
         self.embed = base.embed_tokens
+        fused = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
+            if pack:
+                qkv = pack_fused(qkv, attn, ["q_proj", "k_proj", "v_proj"]) or qkv
+                gate_up = pack_fused(gate_up, mlp, ["gate_proj", "up_proj"]) or gate_up
+            fused.append((qkv, gate_up))
+        if pack:
+            pack_linears(model)  # o_proj, down_proj, the output layer
         self.layers = [
             LeanLayer(
                 input_norm=layer.input_layernorm.weight,
@@ -175,10 +188,10 @@ class LeanModel:
                 gate_proj=layer.mlp.gate_proj,
                 up_proj=layer.mlp.up_proj,
                 down_proj=layer.mlp.down_proj,
-                qkv=fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                gate_up=fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                qkv=qkv,
+                gate_up=gate_up,
             )
-            for layer in base.layers
+            for layer, (qkv, gate_up) in zip(base.layers, fused)
         ]
         self.eps = float(config.rms_norm_eps)
         self.final_norm = base.norm.weight

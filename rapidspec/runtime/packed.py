@@ -85,14 +85,92 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed_weight, self.bias, "none", [], "")
 
 
+class SharedProduct(nn.Module):
+    """One packed product whose output several :class:`ProductSlice` layers share (q/k/v, gate/up).
+
+    transformers' forward calls ``q_proj(h)``, ``k_proj(h)``, ``v_proj(h)`` on
+    the same tensor ``h``: the first call computes the fused product, the
+    others called with the same input object take their columns of it, and the
+    output is let go once every slice has taken its part. A call with another
+    input computes afresh, so results never depend on call order (an input
+    changed in place between the calls would be missed; no forward does that).
+    """
+
+    def __init__(self, packed: PackedLinear, widths: list[int]) -> None:
+        super().__init__()
+        self.packed = packed
+        self.starts = [sum(widths[:index]) for index in range(len(widths) + 1)]
+        self._input = self._output = None
+        self._pending = 0
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:  # [..., in] -> [..., widths[index]]
+        if x is not self._input or self._pending == 0:
+            self._input, self._output, self._pending = x, self.packed(x), len(self.starts) - 1
+        output = self._output
+        self._pending -= 1
+        if self._pending == 0:
+            self._input = self._output = None
+        return output[..., self.starts[index] : self.starts[index + 1]]
+
+
+class ProductSlice(nn.Module):
+    """Stands in for one of the layers fused into a :class:`SharedProduct` (its output columns)."""
+
+    def __init__(self, shared: SharedProduct, index: int) -> None:
+        super().__init__()
+        self.shared = shared
+        self.index = index
+        self.in_features = shared.packed.in_features
+        self.out_features = shared.starts[index + 1] - shared.starts[index]
+
+    def _rows(self) -> slice:
+        return slice(self.shared.starts[self.index], self.shared.starts[self.index + 1])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """This layer's weight [out, in], plain (a new tensor: for quantising a copy, not for decoding)."""
+        return self.shared.packed.weight[self._rows()]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self.shared.packed.bias
+        return None if bias is None else bias[self._rows()]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part={self.index}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.part(x, self.index)
+
+
+def pack_fused(fused: nn.Linear, parent: nn.Module, names: list[str]) -> PackedLinear | None:
+    """Pack ``fused`` (the product of ``parent``'s layers ``names``, fused) and let those layers share it.
+
+    Each named layer of ``parent`` is replaced by a :class:`ProductSlice` of
+    one :class:`SharedProduct`, so the plain fused weight (which the originals
+    held views of) is freed: no second copy. Returns the packed product for
+    the lean forward, or None (nothing changed) where packing is unavailable.
+    """
+    if type(fused) is not nn.Linear or fused.weight.device.type != "cpu" or not packing_available(fused.weight.dtype):
+        return None
+    widths = [getattr(parent, name).out_features for name in names]
+    shared = SharedProduct(PackedLinear.from_linear(fused), widths)
+    for index, name in enumerate(names):
+        setattr(parent, name, ProductSlice(shared, index))
+    return shared.packed
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace every plain ``nn.Linear`` of a CPU ``model`` by a :class:`PackedLinear`, in place.
 
     Layers on other devices or of dtypes :func:`packing_available` refuses
-    stay as they are. Returns the number of layers packed.
+    stay as they are (as do layers inside a :class:`SharedProduct`, packed
+    already). Returns the number of layers packed.
     """
     packed = 0
     for parent in list(model.modules()):
+        if isinstance(parent, (SharedProduct, ProductSlice)):
+            continue
         for child_name, child in list(parent.named_children()):
             if (
                 type(child) is nn.Linear
