@@ -15,6 +15,12 @@ transformers') run through it. A tied output layer (sharing the input
 embedding's table) gets a packed copy of its own, as the int8/int4 layers do:
 the embedding lookup still needs the plain table.
 
+Fused products (q/k/v, gate/up: one call instead of three or two, where a
+oneDNN call costs 30-40 µs however small) are packed whole by
+:func:`pack_fused`; the layers they replace become :class:`ProductSlice`
+views of one :class:`SharedProduct`, so transformers' forward on the same
+model still works and still computes each product once.
+
 PyTorch exposes the packing as the oneDNN operators that its compiler's CPU
 backend emits for linear layers (``torch.ops.mkldnn._reorder_linear_weight``
 and ``_linear_pointwise``); :func:`packing_available` checks that they exist
