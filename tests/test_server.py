@@ -62,8 +62,9 @@ def test_chat_completion_usage_and_statistics(client):
 
 def test_greedy_eta_zero_through_the_server_equals_lc(client, engine):
     lc = engine.chat(HISTORY, mode="lc", max_new_tokens=16, ignore_eos=True)
-    for mode in ("lc", "ragsd", "rapid"):
+    for mode in ("lc", "ragsd", "rapid", "magicdec"):
         extra = {"mode": mode, "ignore_eos": True} | ({"eta": 0} if mode == "rapid" else {})
+        extra |= {"streaming_tokens": 64} if mode == "magicdec" else {}
         out = client.chat.completions.create(model="tiny", messages=HISTORY, max_tokens=16, extra_body=extra)
         assert out.choices[0].message.content == lc.text, mode
     extra = {"mode": "ragsd", "ignore_eos": True, "gamma_schedule": "cost"}
@@ -128,6 +129,8 @@ BAD_BODIES = [
     ({"model": "tiny", "messages": [{"role": "user", "content": LONG}]}, "context_length_exceeded", "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "gama": 3}, "extra_forbidden", "gama"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "mode": "sd", "eta": 2}, None, "eta"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "mode": "magicdec", "sink_tokens": 8,
+      "streaming_tokens": 10}, None, "streaming_tokens"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, None, "messages[0].role"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, None, "temperature"),
 ]
