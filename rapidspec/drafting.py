@@ -23,6 +23,8 @@ DEFAULT_STREAMING_TOKENS = 4096
 
 def streaming_view(token_ids: Sequence[int], sink_tokens: int, budget_tokens: int) -> tuple[int, ...]:
     """The first ``sink_tokens`` and the last ``budget_tokens - sink_tokens`` of ``token_ids`` (all when they fit)."""
+    if not 0 <= sink_tokens <= budget_tokens:
+        raise ValueError(f"need 0 <= sink_tokens <= budget_tokens, got {sink_tokens} and {budget_tokens}")
     if len(token_ids) <= budget_tokens:
         return tuple(token_ids)
     recent = budget_tokens - sink_tokens

@@ -200,5 +200,6 @@ def with_streaming_drafter(pair: PromptPair, config: DecodeConfig, drafter_windo
     (at most ``drafter_window`` tokens)."""
     if config.mode not in DRAFTER_READS_STREAMING:
         return pair
-    view = streaming_view(pair.target_ids, config.sink_tokens, min(config.streaming_tokens, drafter_window))
+    budget = min(config.streaming_tokens, drafter_window)
+    view = streaming_view(pair.target_ids, min(config.sink_tokens, budget), budget)
     return replace(pair, drafter_ids=view)

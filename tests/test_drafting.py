@@ -19,6 +19,9 @@ def test_streaming_view_keeps_sinks_and_the_most_recent_tokens():
     assert streaming_view(ids, 0, 10) == tuple(range(90, 100))
     assert streaming_view(ids, 4, 100) == tuple(ids)  # it fits: the whole prompt
     assert streaming_view(ids[:5], 4, 20) == tuple(range(5))
+    assert streaming_view(ids, 20, 20) == tuple(range(20))
+    with pytest.raises(ValueError):
+        streaming_view(ids, 21, 20)
 
 
 def test_the_drafter_prompt_is_the_view_of_the_target_prompt(tiny_model):
