@@ -34,7 +34,9 @@ def write_results(path, items: int = 6):
 def test_report_tables_paper_numbers_and_figures(tmp_path, capsys):
     results = write_results(tmp_path / "study.jsonl")
     out = tmp_path / "report" / "study.md"
-    assert main(["report", str(results), "--out", str(out), "--per-group", "--preamble", "Made on a test machine."]) == 0
+    preamble = tmp_path / "preamble.md"
+    preamble.write_text("Made on a test machine.", encoding="utf-8")
+    assert main(["report", str(results), "--out", str(out), "--per-group", "--preamble", str(preamble)]) == 0
     text = out.read_text(encoding="utf-8")
     for heading in ("Scores and speed", "The quality claim", "η (the paper's Table 3)", "Retrieval length",
                     "Who got it right", "#### synthetic/niah_single@1024", "Made on a test machine."):
@@ -57,3 +59,5 @@ def test_helpers_and_errors(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
     assert main(["report", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x.md")]) == 2
     assert "holds no records" in capsys.readouterr().err
+    results = write_results(tmp_path / "r2.jsonl", items=2)
+    assert main(["report", str(results), "--out", str(tmp_path / "x.md"), "--preamble", str(tmp_path / "nope.md")]) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rapidspec.evaluation.report import write_report
+from rapidspec.textio import read_text
 
 
 def register(subparsers) -> None:
@@ -22,12 +23,14 @@ def register(subparsers) -> None:
     parser.add_argument("--title", default="rapidspec reproduction report", help="the report's heading")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--per-group", action="store_true", help="also one set of tables per task group (default: overall)")
-    parser.add_argument("--preamble", default="", help="Markdown placed under the heading (commands, machine)")
+    parser.add_argument("--preamble", default=None, metavar="FILE.md",
+                        help="a Markdown file placed under the heading (the commands, the machine)")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    preamble = read_text(args.preamble) if args.preamble else ""
     path = write_report(args.results, args.out, title=args.title, plots=not args.no_plots, per_group=args.per_group,
-                        preamble=args.preamble)
+                        preamble=preamble)
     print(path)
     return 0
