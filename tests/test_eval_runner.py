@@ -50,7 +50,7 @@ def test_records_and_summary(items, tiny_model, tmp_path):
     assert {"prediction", "gold", "score", "metrics", "stats", "config"} <= first.keys()
     assert first["stats"]["new_tokens"] <= 4
     rapid = [r for r in records if r["mode"] == "rapid"]
-    assert all(r["eta"] == 2.0 and r["gamma"] == 6 for r in rapid)
+    assert all(r["eta"] == 5.0 and r["gamma"] == 6 for r in rapid)
     assert all(r["eta"] == 0.0 and r["gamma"] is None for r in records if r["mode"] == "lc")
     rows = {(row.group, row.mode): row for row in result.summary}
     assert set(rows) == {(g, m) for g in ("leval/quality", "longbench2") for m in MODES}
@@ -102,7 +102,7 @@ def test_new_eta_or_gamma_adds_rapid_records_only(items, tiny_model, tmp_path):
     result = run(items[:1], tiny_model, path, eta=0.5, gamma=3)
     assert result.new_records == 1  # lc and rag do not depend on eta or gamma
     records = read(path)
-    assert sorted((r["eta"], r["gamma"]) for r in records if r["mode"] == "rapid") == [(0.5, 3), (2.0, 6)]
+    assert sorted((r["eta"], r["gamma"]) for r in records if r["mode"] == "rapid") == [(0.5, 3), (5.0, 6)]
 
 
 def test_config_mismatch_is_an_error_unless_overwrite(items, tiny_model, tmp_path):
