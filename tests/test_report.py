@@ -48,6 +48,10 @@ def test_report_tables_paper_numbers_and_figures(tmp_path, capsys):
     for suffix in ("eta", "budget", "speedup"):
         assert (tmp_path / "report" / f"study_0_{suffix}.png").stat().st_size > 1000
         assert f"study_0_{suffix}.png" in text
+    # two files: the speedup against context length is also drawn over both, item ids kept apart
+    assert main(["report", str(results), str(write_results(tmp_path / "again.jsonl")), "--out", str(out)]) == 0
+    assert "study_all_speedup.png" in out.read_text(encoding="utf-8")
+    assert (tmp_path / "report" / "study_all_speedup.png").stat().st_size > 1000
 
 
 def test_helpers_and_errors(tmp_path, capsys):

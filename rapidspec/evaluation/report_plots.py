@@ -31,8 +31,8 @@ def _sweep_value(record, name: str) -> float | None:
     return float(sweep.split("=", 1)[1]) if sweep.startswith(f"{name}=") else None
 
 
-def plot_file(records: list[dict], stem: Path) -> list[Path]:
-    """Write the figures this file's runs allow as ``{stem}_{eta,budget,speedup}.png``; their paths."""
+def plot_file(records: list[dict], stem: Path, figures: tuple[str, ...] = ("eta", "budget", "speedup")) -> list[Path]:
+    """Write the ``figures`` these runs allow as ``{stem}_{eta,budget,speedup}.png``; their paths."""
     from rapidspec.evaluation.report import group_length, speedups
 
     plt = _pyplot()
@@ -46,7 +46,7 @@ def plot_file(records: list[dict], stem: Path) -> list[Path]:
         written.append(path)
 
     eta = _mean_by([r for r in records if r["mode"] == "rapid"], lambda r: _sweep_value(r, "eta"))
-    if len(eta) > 1:
+    if "eta" in figures and len(eta) > 1:
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         xs = sorted(eta)
         ax.plot(xs, [eta[x] for x in xs], marker="o", label="rapid")
@@ -62,7 +62,7 @@ def plot_file(records: list[dict], stem: Path) -> list[Path]:
     for (mode, value), score in _mean_by(records, lambda r: (r["mode"], _sweep_value(r, "budget_tokens"))
                                          if _sweep_value(r, "budget_tokens") is not None else None).items():
         budgets[mode][value] = score
-    if any(len(points) > 1 for points in budgets.values()):
+    if "budget" in figures and any(len(points) > 1 for points in budgets.values()):
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         for mode, points in budgets.items():
             xs = sorted(points)
@@ -76,7 +76,7 @@ def plot_file(records: list[dict], stem: Path) -> list[Path]:
         length = group_length(group)
         if length is not None and mode != "lc":
             by_length[mode + (f" {sweep}" if sweep else "")][length].append(speedup)
-    if any(len(points) > 1 for points in by_length.values()):
+    if "speedup" in figures and any(len(points) > 1 for points in by_length.values()):
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         for label, points in by_length.items():
             xs = sorted(points)
