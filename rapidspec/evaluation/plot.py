@@ -14,20 +14,20 @@ from pathlib import Path
 from rapidspec.errors import RapidspecError
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RapidspecError("--plot needs matplotlib: pip install 'rapidspec[plots]'") from None
+        raise RapidspecError("plots need matplotlib: pip install 'rapidspec[plot]'") from None
     return plt
 
 
 def plot_report(report, path: str | Path) -> Path:
     """Write the figure of ``report`` to ``path`` (format from the suffix) and return the path."""
-    plt = _pyplot()
+    plt = pyplot()
     path = Path(path)
     title = (
         f"{report.model} (drafter: {report.drafter}), {report.device} {report.dtype}, "

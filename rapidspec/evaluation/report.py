@@ -12,7 +12,6 @@ data, so the *direction* of each effect compares, not the values.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from collections import defaultdict
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown
-from rapidspec.evaluation.runner import SummaryRow, summarize
+from rapidspec.evaluation.runner import SummaryRow, read_records, summarize
 
 #: Table 1, LLaMA-3.1-8B target, self-speculation: LongBench v2 overall accuracy (%) and decode speedup.
 PAPER_TABLE1 = {
@@ -34,21 +33,11 @@ _LENGTH = re.compile(r"@(\d+)$")
 
 
 def load_records(path: str | Path) -> list[dict]:
-    """The records of one results file (a partial last line is ignored)."""
+    """The records of one results file (a line cut off mid-write is ignored; the file is not changed)."""
     path = Path(path)
     if not path.is_file():
         raise RapidspecError(f"no such results file: {path}")
-    records = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break  # a run killed mid-write
-            raise RapidspecError(f"{path} line {number} is not JSON") from None
+    records, _ = read_records(path)
     if not records:
         raise RapidspecError(f"{path} holds no records")
     return records

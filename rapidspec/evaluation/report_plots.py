@@ -14,7 +14,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from rapidspec.evaluation.plot import _pyplot
+from rapidspec.evaluation.plot import pyplot
 
 
 def _mean_by(records, key) -> dict:
@@ -35,7 +35,7 @@ def plot_file(records: list[dict], stem: Path, figures: tuple[str, ...] = ("eta"
     """Write the ``figures`` these runs allow as ``{stem}_{eta,budget,speedup}.png``; their paths."""
     from rapidspec.evaluation.report import group_length, speedups
 
-    plt = _pyplot()
+    plt = pyplot()
     written = []
 
     def save(fig, suffix: str) -> None:

@@ -66,6 +66,24 @@ def key_of(record: dict) -> tuple:
     return record_key(record["id"], record["mode"], record["eta"], record["gamma"], record.get("sweep"))
 
 
+def read_records(path: Path) -> tuple[list[dict], int]:
+    """The records of a results file and the bytes its complete lines take.
+
+    A last line without its newline (a run killed mid-write) is not read.
+    """
+    raw = path.read_bytes()
+    complete = raw.rfind(b"\n") + 1 if raw and not raw.endswith(b"\n") else len(raw)
+    records = []
+    for number, line in enumerate(raw[:complete].decode("utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise RapidspecError(f"{path} line {number} is not JSON") from None
+    return records, complete
+
+
 class ResultsFile:
     """An append-only JSON-lines file of records, read back on resume."""
 
@@ -93,21 +111,14 @@ class ResultsFile:
             self.path.write_text("", encoding="utf-8")
 
     def _load(self) -> list[dict]:
-        raw = self.path.read_bytes()
-        if raw and not raw.endswith(b"\n"):
+        try:
+            records, complete = read_records(self.path)
+        except RapidspecError as err:
+            raise RapidspecError(f"{err}; fix it or use --overwrite") from None
+        if complete < self.path.stat().st_size:
             # A run killed mid-write leaves a partial last line: drop it so that appends stay line-aligned.
-            cut = raw.rfind(b"\n") + 1
             with open(self.path, "r+b") as handle:
-                handle.truncate(cut)
-            raw = raw[:cut]
-        records = []
-        for number, line in enumerate(raw.decode("utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise RapidspecError(f"{self.path} line {number} is not JSON; fix it or use --overwrite") from None
+                handle.truncate(complete)
         return records
 
     def keys(self) -> set[tuple]:
