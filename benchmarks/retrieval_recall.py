@@ -1,23 +1,32 @@
-"""Retrieval quality on LoCoMo: how much of the evidence lands in the short context.
+"""Retrieval quality per data kind: how much of the evidence lands in the short context.
 
-Each LoCoMo conversation becomes one document: for every session a header line
-``Session N (date)`` and then one line per turn, ``Speaker: text`` (an image a
-speaker shares is appended as ``[shares a photo: caption]``); sessions are
-separated by blank lines. The character span of every turn is remembered.
+Two kinds of data, each a set of documents with questions whose evidence spans
+are known:
 
-For each QA item with evidence (ids like ``D3:12``; malformed ones such as
-``"D8:6; D9:17"`` or ``"D:11:26"`` are parsed leniently, unknown ids ignored),
-the question is the query. An evidence turn counts as *retrieved* when its
-whole span lies inside one retrieved chunk span. Reported per method and
-budget: turn recall (retrieved evidence turns / evidence turns) and the share
-of questions whose evidence was all retrieved. Token counts use the built-in
-SmolLM2 tokenizer. Chunks are ``--chunk-tokens`` (default 256) or the budget,
-whichever is smaller, so that every budget can hold at least one chunk.
+* conversations, from a LoCoMo file (the positional argument). Each
+  conversation becomes one document: for every session a header line
+  ``Session N (date)`` and then one line per turn, ``Speaker: text`` (an image
+  a speaker shares is appended as ``[shares a photo: caption]``); sessions are
+  separated by blank lines. Each QA item with evidence (ids like ``D3:12``;
+  malformed ones such as ``"D8:6; D9:17"`` or ``"D:11:26"`` are parsed
+  leniently, unknown ids ignored) is a question whose evidence is its turns.
+* documents, the synthetic needle tasks of ``rapidspec eval --format synthetic``
+  (``--needles 4096,8192``, ``--per-task`` items per task and length, built
+  with the built-in tokenizer as eval builds them for the built-in model): real
+  prose with needle sentences; the evidence is the needles that hold an answer.
 
-    python benchmarks/retrieval_recall.py /work/shared/data/locomo/locomo_dev.json \
-        [--budgets 256,512,1024,2048] [--methods bm25,dense,hybrid] [--limit N]
+An evidence span counts as *retrieved* when it lies wholly inside one retrieved
+chunk. Reported per data kind, method and budget: evidence recall (retrieved
+evidence spans / evidence spans) and the share of questions whose evidence was
+all retrieved. Token counts use the built-in SmolLM2 tokenizer. Chunks are
+``--chunk-tokens`` (default 256) or the budget, whichever is smaller, so that
+every budget can hold at least one chunk.
 
-Prints a table, then one JSON object as the last line.
+    python benchmarks/retrieval_recall.py [/work/shared/data/locomo/locomo_dev.json] \
+        [--needles 4096,8192 --per-task 4] [--budgets 256,512,1024,2048] \
+        [--methods bm25,dense,hybrid] [--limit N]
+
+Prints a table per data kind, then one JSON object as the last line.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rapidspec.evaluation.synthetic import synthetic_items
 from rapidspec.retrieval import RetrievalConfig, Retriever, resolve_tokenizer
 from rapidspec.retrieval.dense import load_embedder
 from rapidspec.retrieval.selection import select_chunks
@@ -37,23 +47,26 @@ from rapidspec.textio import read_text
 
 EVIDENCE_ID = re.compile(r"D:?\s*(\d+)\s*:\s*(\d+)")
 
+Span = tuple[int, int]  # character [start, end) in the document
+
 
 @dataclass(frozen=True)
-class Conversation:
-    sample_id: str
+class Case:
+    """One document and the questions asked of it, each with the spans of its evidence."""
+
+    kind: str  # "conversations" or "documents"
     document: str
-    turn_spans: dict[str, tuple[int, int]]  # "D3:12" -> (start, end)
-    qa: list[tuple[str, list[str]]]  # (question, evidence ids), only items with known evidence
+    qa: list[tuple[str, list[Span]]]
 
 
-def render(sample: dict) -> Conversation:
-    """Render one LoCoMo sample as a document with each turn's character span."""
+def conversation_case(sample: dict) -> Case:
+    """Render one LoCoMo sample as a document; each question's evidence is its turns' spans."""
     conv = sample["conversation"]
     sessions = sorted(
         (int(m.group(1)) for key in conv if (m := re.fullmatch(r"session_(\d+)", key))),
     )
     parts: list[str] = []
-    spans: dict[str, tuple[int, int]] = {}
+    spans: dict[str, Span] = {}
     offset = 0
     for n in sessions:
         lines = [f"Session {n} ({conv.get(f'session_{n}_date_time', 'unknown date')})"]
@@ -75,89 +88,107 @@ def render(sample: dict) -> Conversation:
         ids = [f"D{a}:{b}" for e in item.get("evidence") or [] for a, b in EVIDENCE_ID.findall(str(e))]
         ids = [i for i in dict.fromkeys(ids) if i in spans]
         if ids:
-            qa.append((item["question"], ids))
-    for dia_id, (a, b) in spans.items():
-        assert document[a:b].count("\n") == 0, dia_id
-    return Conversation(str(sample.get("sample_id", "")), document, spans, qa)
+            qa.append((item["question"], [spans[i] for i in ids]))
+    for a, b in spans.values():
+        assert document[a:b].count("\n") == 0, (a, b)
+    return Case("conversations", document, qa)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data_path", help="LoCoMo JSON (e.g. locomo10.json or locomo_dev.json)")
-    parser.add_argument("--budgets", default="256,512,1024,2048")
-    parser.add_argument("--methods", default="bm25,dense,hybrid")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
-    parser.add_argument("--chunk-tokens", type=int, default=256)
-    args = parser.parse_args()
-    budgets = [int(b) for b in args.budgets.split(",")]
-    methods = args.methods.split(",")
+def needle_cases(lengths: list[int], per_task: int, tokenizer) -> list[Case]:
+    """The synthetic needle items as cases: the evidence is every needle that holds a gold value."""
+    cases = []
+    for item in synthetic_items(lengths, per_task=per_task, tokenizer=tokenizer):
+        needles = [n for n in item.meta["needles"] if any(value in n for value in item.answers)]
+        spans = [(item.document.index(n), item.document.index(n) + len(n)) for n in needles]
+        cases.append(Case("documents", item.document, [(item.query, spans)]))
+    return cases
 
-    samples = json.loads(read_text(args.data_path))[: args.limit]
-    conversations = [render(s) for s in samples]
-    tokenizer = resolve_tokenizer("builtin")
-    embedder = load_embedder() if any(m != "bm25" for m in methods) else None
 
-    hits = {(m, b): [0, 0, 0, 0, 0] for m in methods for b in budgets}  # turns hit, turns, questions all hit, questions, tokens
-    doc_tokens = []
-    started = time.perf_counter()
-    for conv in conversations:
-        for chunk_tokens in sorted({min(args.chunk_tokens, b) for b in budgets}):
+def measure(cases: list[Case], methods: list[str], budgets: list[int], chunk_tokens: int, tokenizer, embedder) -> dict:
+    """Per (kind, method, budget): [spans hit, spans, questions all hit, questions, context tokens, document tokens]."""
+    hits: dict[tuple[str, str, int], list[int]] = {}
+    for case in cases:
+        for size in sorted({min(chunk_tokens, b) for b in budgets}):
             for method in methods:
-                config = RetrievalConfig(method=method, chunk_tokens=chunk_tokens)
-                retriever = Retriever(config, tokenizer=tokenizer, embedder=embedder)
-                chunks = retriever.chunks(conv.document)
+                retriever = Retriever(RetrievalConfig(method=method, chunk_tokens=size), tokenizer=tokenizer, embedder=embedder)
+                chunks = retriever.chunks(case.document)
                 counts = [c.num_tokens for c in chunks]
                 starts = np.array([c.char_start for c in chunks])
                 ends = np.array([c.char_end for c in chunks])
-                if method == methods[0] and chunk_tokens == min(args.chunk_tokens, budgets[0]):
-                    doc_tokens.append(sum(counts))
-                for question, evidence in conv.qa:
-                    scores = retriever.scores(conv.document, question)
-                    for budget in budgets:
-                        if min(args.chunk_tokens, budget) != chunk_tokens:
-                            continue
+                for question, evidence in case.qa:
+                    scores = retriever.scores(case.document, question)
+                    for budget in (b for b in budgets if min(chunk_tokens, b) == size):
                         chosen = [i for i, _ in select_chunks(scores, counts, budget)]
-                        got = 0
-                        for dia_id in evidence:
-                            a, b = conv.turn_spans[dia_id]
-                            got += bool(np.any((starts[chosen] <= a) & (ends[chosen] >= b)))
-                        h = hits[(method, budget)]
+                        got = sum(bool(np.any((starts[chosen] <= a) & (ends[chosen] >= b))) for a, b in evidence)
+                        h = hits.setdefault((case.kind, method, budget), [0, 0, 0, 0, 0, 0])
                         h[0] += got
                         h[1] += len(evidence)
                         h[2] += got == len(evidence)
                         h[3] += 1
                         h[4] += sum(counts[i] for i in chosen)
+                        h[5] += sum(counts)
+    return hits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("data_path", nargs="?", help="LoCoMo JSON (e.g. locomo10.json or locomo_dev.json)")
+    parser.add_argument("--needles", default="", help="synthetic needle documents at these lengths, e.g. 4096,8192")
+    parser.add_argument("--per-task", type=int, default=4, help="needle items per task and length")
+    parser.add_argument("--budgets", default="256,512,1024,2048")
+    parser.add_argument("--methods", default="bm25,dense,hybrid")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    args = parser.parse_args()
+    if not args.data_path and not args.needles:
+        parser.error("give a LoCoMo file, --needles LENGTHS, or both")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    methods = args.methods.split(",")
+
+    tokenizer = resolve_tokenizer("builtin")
+    cases: list[Case] = []
+    if args.data_path:
+        cases += [conversation_case(s) for s in json.loads(read_text(args.data_path))[: args.limit]]
+    if args.needles:
+        cases += needle_cases([int(n) for n in args.needles.split(",")], args.per_task, tokenizer)
+    embedder = load_embedder() if any(m != "bm25" for m in methods) else None
+
+    started = time.perf_counter()
+    hits = measure(cases, methods, budgets, args.chunk_tokens, tokenizer, embedder)
     seconds = time.perf_counter() - started
 
-    rows = {}
-    for (method, budget), (got, total, full, questions, tokens) in hits.items():
-        rows[f"{method}@{budget}"] = {
+    rows = []
+    for (kind, method, budget), (got, total, full, questions, tokens, doc_tokens) in hits.items():
+        rows.append({
+            "kind": kind,
             "method": method,
             "budget_tokens": budget,
-            "turn_recall": round(got / max(total, 1), 4),
+            "evidence_recall": round(got / max(total, 1), 4),
             "questions_fully_covered": round(full / max(questions, 1), 4),
+            "questions": questions,
             "mean_context_tokens": round(tokens / max(questions, 1), 1),
-        }
-    print(f"LoCoMo {args.data_path}: {len(conversations)} conversations, "
-          f"{sum(len(c.qa) for c in conversations)} questions with evidence, "
-          f"mean document {np.mean(doc_tokens):,.0f} tokens, chunks of <= {args.chunk_tokens} tokens")
-    header = "method  " + "".join(f"{b:>12}" for b in budgets)
-    print("turn recall (share of questions with all evidence retrieved)")
-    print(header)
-    for method in methods:
-        cells = "".join(
-            f"{rows[f'{method}@{b}']['turn_recall']:>6.3f} ({rows[f'{method}@{b}']['questions_fully_covered']:.2f})" for b in budgets
-        )
-        print(f"{method:<8}{cells}")
+            "mean_document_tokens": round(doc_tokens / max(questions, 1), 1),
+        })
+    for kind in dict.fromkeys(c.kind for c in cases):
+        kind_rows = {(r["method"], r["budget_tokens"]): r for r in rows if r["kind"] == kind}
+        first = next(iter(kind_rows.values()))
+        print(f"{kind}: {sum(c.kind == kind for c in cases)} documents, {first['questions']} questions with evidence, "
+              f"mean document {first['mean_document_tokens']:,.0f} tokens, chunks of <= {args.chunk_tokens} tokens")
+        print("evidence recall (share of questions with all evidence retrieved)")
+        print("method  " + "".join(f"{b:>14}" for b in budgets))
+        for method in methods:
+            cells = "".join(
+                f"{kind_rows[(method, b)]['evidence_recall']:>8.3f} ({kind_rows[(method, b)]['questions_fully_covered']:.2f})"
+                for b in budgets
+            )
+            print(f"{method:<8}{cells}")
     print(json.dumps({
         "data_path": args.data_path,
-        "conversations": len(conversations),
-        "questions": sum(len(c.qa) for c in conversations),
-        "evidence_turns": sum(len(e) for c in conversations for _, e in c.qa),
-        "mean_document_tokens": round(float(np.mean(doc_tokens)), 1),
+        "needles": args.needles or None,
+        "per_task": args.per_task if args.needles else None,
         "chunk_tokens": args.chunk_tokens,
         "seconds": round(seconds, 1),
-        "results": list(rows.values()),
+        "results": rows,
     }))
 
 

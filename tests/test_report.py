@@ -8,8 +8,8 @@ from rapidspec.cli import main
 from rapidspec.evaluation.report import group_length, load_records, speedups
 
 
-def write_results(path, items: int = 6):
-    config = {"model": "tiny", "drafter": None, "data": "synthetic", "temperature": 0.0, "seed": 0,
+def write_results(path, items: int = 6, model: str = "tiny"):
+    config = {"model": model, "drafter": None, "data": "synthetic", "temperature": 0.0, "seed": 0,
               "retrieval": {"method": "bm25"}}
     lines = []
     for index in range(items):
@@ -48,10 +48,14 @@ def test_report_tables_paper_numbers_and_figures(tmp_path, capsys):
     for suffix in ("eta", "budget", "speedup"):
         assert (tmp_path / "report" / f"study_0_{suffix}.png").stat().st_size > 1000
         assert f"study_0_{suffix}.png" in text
-    # two files: the speedup against context length is also drawn over both, item ids kept apart
-    assert main(["report", str(results), str(write_results(tmp_path / "again.jsonl")), "--out", str(out)]) == 0
-    assert "study_all_speedup.png" in out.read_text(encoding="utf-8")
-    assert (tmp_path / "report" / "study_all_speedup.png").stat().st_size > 1000
+    # several files: the speedup against context length is also drawn over the files of each model pair
+    others = [write_results(tmp_path / "again.jsonl"), write_results(tmp_path / "big.jsonl", model="big")]
+    assert main(["report", str(results), *map(str, others), "--out", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert "## tiny ← self, all greedy files" in text and "## big ← self, all greedy files" in text
+    for index in (0, 1):
+        assert f"study_all_{index}_speedup.png" in text
+        assert (tmp_path / "report" / f"study_all_{index}_speedup.png").stat().st_size > 1000
 
 
 def test_helpers_and_errors(tmp_path, capsys):

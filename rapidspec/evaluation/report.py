@@ -205,10 +205,11 @@ def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "rap
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# {title}", "", __doc__.split("\n\n")[1].replace("\n", " "), "", *([preamble, ""] if preamble else [])]
-    pooled = []
+    pooled = defaultdict(list)  # "model <- drafter" -> the greedy records of its files
     for index, path in enumerate(paths):
         records = load_records(path)
-        pooled += [{**r, "id": f"{index}/{r['id']}"} for r in records if r.get("config", {}).get("temperature") == 0.0]
+        pooled[model_pair(records[0].get("config") or {})] += [
+            {**r, "id": f"{index}/{r['id']}"} for r in records if r.get("config", {}).get("temperature") == 0.0]
         figures = []
         if plots:
             from rapidspec.evaluation.report_plots import plot_file
@@ -218,14 +219,20 @@ def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "rap
     if plots and len(paths) > 1:
         from rapidspec.evaluation.report_plots import plot_file
 
-        pooled_figures = plot_file(pooled, out.with_name(f"{out.stem}_all"), figures=("speedup",))
-        if pooled_figures:
-            lines += ["## All greedy files: decode speedup against context length", "",
-                      "Median over items of each run's decode speedup against lc on the same item, per prompt "
-                      "length of the synthetic tasks, pooled over the greedy results files.", "",
-                      *(f"![]({p.name})\n" for p in pooled_figures)]
+        for index, (pair, records) in enumerate(pooled.items()):
+            pooled_figures = plot_file(records, out.with_name(f"{out.stem}_all_{index}"), figures=("speedup",))
+            if pooled_figures:
+                lines += [f"## {pair}, all greedy files: decode speedup against context length", "",
+                          "Median over items of each run's decode speedup against lc on the same item, per prompt "
+                          "length of the synthetic tasks, pooled over the greedy results files of this model and "
+                          "drafter.", "", *(f"![]({p.name})\n" for p in pooled_figures)]
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     return out
+
+
+def model_pair(config: dict) -> str:
+    """``"target <- drafter"`` as a results file's configuration names them (speed pools only within a pair)."""
+    return f"{config.get('model')} ← {config.get('drafter') or 'self'}"
 
 
 def group_length(group: str) -> int | None:
