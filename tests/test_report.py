@@ -8,9 +8,9 @@ from rapidspec.cli import main
 from rapidspec.evaluation.report import group_length, load_records, speedups
 
 
-def write_results(path, items: int = 6, model: str = "tiny"):
+def write_results(path, items: int = 6, model: str = "tiny", method: str = "bm25"):
     config = {"model": model, "drafter": None, "data": "synthetic", "temperature": 0.0, "seed": 0,
-              "retrieval": {"method": "bm25"}}
+              "retrieval": {"method": method, "budget_tokens": None}}
     lines = []
     for index in range(items):
         length = 1024 if index % 2 else 2048
@@ -56,6 +56,17 @@ def test_report_tables_paper_numbers_and_figures(tmp_path, capsys):
     for index in (0, 1):
         assert f"study_all_{index}_speedup.png" in text
         assert (tmp_path / "report" / f"study_all_{index}_speedup.png").stat().st_size > 1000
+    assert "Retrieval methods" not in text  # no two files differ only in the method
+
+
+def test_report_compares_retrieval_methods_on_the_same_items(tmp_path):
+    files = [write_results(tmp_path / f"{m}.jsonl", method=m) for m in ("bm25", "hybrid")]
+    files.append(write_results(tmp_path / "fewer.jsonl", items=4, method="dense"))  # other items: not compared
+    out = tmp_path / "r.md"
+    assert main(["report", *map(str, files), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert "| model | data | n | bm25 | hybrid |" in text
+    assert "| tiny | synthetic | 6 | 0.500 [" in text  # rag right on even items
 
 
 def test_helpers_and_errors(tmp_path, capsys):

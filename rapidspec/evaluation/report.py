@@ -162,6 +162,30 @@ def breakdown_section(records: Sequence[dict]) -> list[str]:
             *_table(["task", "run", "n", *GROUPS.values(), "only here", "lost vs lc"], body), ""]
 
 
+def retrieval_section(files: Sequence[list[dict]]) -> list[str]:
+    """rag (the model on the retrieved text alone) per retrieval method, across files that differ only in the method."""
+    cells: dict[tuple, dict[str, SummaryRow]] = defaultdict(dict)
+    for records in files:
+        config = records[0].get("config") or {}
+        retrieval = dict(config.get("retrieval") or {})
+        method = retrieval.pop("method", None)
+        rag = [r for r in records if r["mode"] == "rag" and r.get("sweep") is None]
+        if method and rag:
+            same = (config.get("model"), config.get("data"), config.get("temperature"), config.get("max_new_tokens"),
+                    tuple(sorted(retrieval.items())), config.get("retrieve_from"), frozenset(r["id"] for r in rag))
+            cells[same][method] = summarize(overall(rag))[0]
+    compared = {same: rows for same, rows in cells.items() if len(rows) > 1}
+    if not compared:
+        return []
+    methods = sorted({method for rows in compared.values() for method in rows})
+    body = [[str(same[0]), str(same[1]), str(next(iter(rows.values())).n),
+             *(_ci(rows[m]) if m in rows else "-" for m in methods)] for same, rows in compared.items()]
+    return ["## Retrieval methods: rag per method", "",
+            "rag (the model reads only the retrieved text) on the same items with the same budget, per retrieval "
+            "method: the end-task side of the default method's evidence (`benchmarks/retrieval_recall.py` measures "
+            "the recall side).", "", *_table(["model", "data", "n", *methods], body), ""]
+
+
 def overall(records: list[dict]) -> list[dict]:
     """``records`` as one task group ``all`` (the paper reports overall scores); unchanged when there is one group."""
     if len({r["group"] for r in records}) < 2:
@@ -206,8 +230,10 @@ def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "rap
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# {title}", "", __doc__.split("\n\n")[1].replace("\n", " "), "", *([preamble, ""] if preamble else [])]
     pooled = defaultdict(list)  # "model <- drafter" -> the greedy records of its files
+    files = []
     for index, path in enumerate(paths):
         records = load_records(path)
+        files.append(records)
         pooled[model_pair(records[0].get("config") or {})] += [
             {**r, "id": f"{index}/{r['id']}"} for r in records if r.get("config", {}).get("temperature") == 0.0]
         figures = []
@@ -226,6 +252,7 @@ def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "rap
                           "Median over items of each run's decode speedup against lc on the same item, per prompt "
                           "length of the synthetic tasks, pooled over the greedy results files of this model and "
                           "drafter.", "", *(f"![]({p.name})\n" for p in pooled_figures)]
+    lines += retrieval_section(files)
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     return out
 
