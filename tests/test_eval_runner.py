@@ -138,6 +138,19 @@ def test_a_sweep_multiplies_only_the_modes_that_use_its_knob(items, tiny_model, 
     assert again.new_records == 2 and again.skipped == 8
 
 
+def test_a_draft_gate_sweep_runs_rapid_once_per_gate(items, tiny_model, tmp_path, monkeypatch):
+    from rapidspec import sampling
+
+    alphas = []
+    gate = sampling.draft_gate
+    monkeypatch.setattr(sampling, "draft_gate", lambda p, q, alpha: alphas.append(alpha) or gate(p, q, alpha))
+    result = run(items[:1], tiny_model, tmp_path / "results.jsonl", modes=("lc", "rapid"), sweep=parse_eval_sweep("draft_gate=0,1"))
+    assert [(r["mode"], r["sweep"]) for r in result.records] == [("lc", None), ("rapid", "draft_gate=0"), ("rapid", "draft_gate=1")]
+    assert set(alphas) == {0.0, 1.0}  # each point's gate reached the augmented target
+    with pytest.raises(RapidspecError, match="draft_gate values must be in"):
+        parse_eval_sweep("draft_gate=0.1,2")
+
+
 def test_a_budget_sweep_gives_the_retrieving_modes_each_budget(items, tiny_model, tmp_path):
     result = run(items[:1], tiny_model, tmp_path / "results.jsonl", sweep=parse_eval_sweep("budget_tokens=64,192"))
     by_run = {(r["mode"], r["sweep"]): r for r in result.records}

@@ -47,7 +47,7 @@ def register(subparsers) -> None:
     parser.add_argument("--overwrite", action="store_true", help="start --results afresh even if it holds another configuration")
     parser.add_argument("--include-adversarial", action="store_true", help="LoCoMo: keep category 5 (adversarial) questions")
     parser.add_argument("--sweep", default=None, metavar="NAME=V1,V2,...",
-                        help="run the modes that use NAME once per value: eta (rapid), gamma or draft_confidence "
+                        help="run the modes that use NAME once per value: eta or draft_gate (rapid), gamma or draft_confidence "
                              "(drafting modes), budget_tokens (retrieving modes), streaming_tokens (magicdec)")
     parser.add_argument("--retrieve-from", default=None, metavar="other-item|FILE",
                         help="retrieve the drafter's chunks from another item's document or from FILE instead of the "

@@ -96,6 +96,8 @@ def parse_sweep(text: str, params: dict[str, type] = SWEEP_PARAMS) -> Sweep:
         raise RapidspecError(f"sweep {name} has no values")
     if name == "eta" and any(not math.isfinite(v) or v < 0 for v in parsed):
         raise RapidspecError(f"eta values must be finite and >= 0, got {values!r}")
+    if name == "draft_gate" and any(not 0 <= v <= 1 for v in parsed):
+        raise RapidspecError(f"draft_gate values must be in [0, 1], got {values!r}")
     if name == "draft_confidence" and any(not 0 <= v < 1 for v in parsed):
         raise RapidspecError(f"draft_confidence values must be in [0, 1), got {values!r}")
     if kind is int and any(v < 1 for v in parsed):

@@ -4,7 +4,7 @@ A sweep (``--sweep eta=0,2,5``) multiplies only the modes that use the knob:
 
 | knob | modes it applies to |
 |---|---|
-| ``eta`` | ``rapid`` |
+| ``eta``, ``draft_gate`` | ``rapid`` |
 | ``gamma``, ``draft_confidence`` | the drafting modes (sd, ragsd, rapid, magicdec) |
 | ``budget_tokens`` | the retrieving modes (rag, ragsd, rapid) |
 | ``streaming_tokens`` | ``magicdec`` |
@@ -22,10 +22,11 @@ from rapidspec.config import DEFAULT_RAPID_ETA, USES_DRAFTER, USES_RETRIEVAL
 from rapidspec.evaluation.bench_inputs import SWEEP_PARAMS, Sweep, parse_sweep
 
 #: Knobs ``eval --sweep`` takes (name -> value type).
-EVAL_SWEEP_PARAMS = {**SWEEP_PARAMS, "budget_tokens": int, "streaming_tokens": int}
+EVAL_SWEEP_PARAMS = {**SWEEP_PARAMS, "draft_gate": float, "budget_tokens": int, "streaming_tokens": int}
 #: The modes each knob applies to.
 SWEEP_APPLIES_TO = {
     "eta": frozenset({"rapid"}),
+    "draft_gate": frozenset({"rapid"}),
     "gamma": frozenset(USES_DRAFTER),
     "draft_confidence": frozenset(USES_DRAFTER),
     "budget_tokens": frozenset(USES_RETRIEVAL),
