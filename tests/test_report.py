@@ -16,7 +16,7 @@ def write_results(path, items: int = 6, model: str = "tiny", method: str = "bm25
         length = 1024 if index % 2 else 2048
         group = f"synthetic/niah_single@{length}"
         runs = [("lc", 0.0, None, None, index % 3 == 0, 10.0), ("rag", 0.0, None, None, index % 2 == 0, 20.0)]
-        runs += [("rapid", eta, 6, f"eta={eta:g}", eta >= 5 or index % 3 == 0, 10.0 + eta) for eta in (0.0, 5.0, 10.0)]
+        runs += [("rapid", eta, 6, f"eta={eta:g}", eta >= 5 or index % 3 == 0, 10.0 + eta) for eta in (0.0, 10.0, 5.0)]
         runs += [("rapid", 2.0, 6, f"budget_tokens={b}", index % 2 == 0, 12.0) for b in (256, 512)]
         for mode, eta, gamma, sweep, right, speed in runs:
             lines.append(json.dumps({
@@ -43,6 +43,7 @@ def test_report_tables_paper_numbers_and_figures(tmp_path, capsys):
         assert heading in text
     assert "| all | lc | 6 | recall | 0.333" in text  # 2 of 6 items right
     assert "+2.8 pt / 1.75x" in text  # the paper's Table 3 row for eta = 5
+    assert text.index("| all | 5 | 6 |") < text.index("| all | 10 | 6 |")  # the eta table in order of eta
     assert "rapid eta=10: 1.000" in text and "reaches the better reference" in text
     assert "1.50x" in text  # rapid eta=5 decodes 15 tok/s against lc's 10 on every item
     for suffix in ("eta", "budget", "speedup"):

@@ -124,6 +124,8 @@ def eta_section(rows: list[SummaryRow], speed: dict[tuple, float]) -> list[str]:
     swept = [row for row in rows if row.mode == "rapid" and (row.sweep or "").startswith("eta=")]
     if not swept:
         return []
+    groups = list(dict.fromkeys(row.group for row in rows))
+    swept.sort(key=lambda row: (groups.index(row.group), row.eta))  # values added to a sweep later come in order
     lc = {row.group: row for row in rows if row.mode == "lc"}
     body = []
     for row in swept:
