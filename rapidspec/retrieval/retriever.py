@@ -8,7 +8,9 @@ chunk for the query (:mod:`.bm25`, :mod:`.dense`, or both fused by
 Scores in results are the method's own: BM25 score (``bm25``), cosine
 similarity (``dense``), reciprocal-rank-fusion score (``hybrid``, k = 60,
 over the BM25 ranking of chunks sharing a query word and the full dense
-ranking). ``min_score`` applies to that score.
+ranking). ``min_score`` applies to that score. The default method, ``auto``,
+is ``bm25`` over a conversation's turns (:meth:`Retriever.retrieve_segments`)
+and ``hybrid`` over documents; results name the method actually used.
 
 Per document (keyed by a SHA-256 of the chunking settings and the text) the
 retriever caches the chunks, the BM25 index and the chunk embeddings, so more
@@ -32,7 +34,7 @@ import numpy as np
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval.bm25 import BM25Index
 from rapidspec.retrieval.chunking import Chunk, Chunker
-from rapidspec.retrieval.config import RetrievalConfig
+from rapidspec.retrieval.config import AUTO_METHOD, RetrievalConfig
 from rapidspec.retrieval.dense import DenseIndex, load_embedder
 from rapidspec.retrieval.fusion import rank_by_score, reciprocal_rank_fusion
 from rapidspec.retrieval.selection import default_budget, select_chunks
@@ -125,8 +127,9 @@ class RetrievalResult:
 class _DocumentState:
     """What a retriever remembers about one document (built lazily)."""
 
-    def __init__(self, chunks: tuple[Chunk, ...]) -> None:
+    def __init__(self, chunks: tuple[Chunk, ...], kind: str = "document") -> None:
         self.chunks = chunks
+        self.kind = kind  # "document", or "conversation" for the turns of retrieve_segments
         self.bm25: BM25Index | None = None
         self.dense: dict[str, DenseIndex] = {}  # embedding model -> index
 
@@ -238,7 +241,7 @@ class Retriever:
             for c, rank in sorted(((state.chunks[i], rank) for i, rank in chosen), key=lambda cr: cr[0].index)
         )
         return RetrievalResult(
-            method=self.config.method,
+            method=self.method_for(state.kind),
             budget_tokens=budget,
             chunks=retrieved,
             num_tokens=sum(c.num_tokens for c in retrieved),
@@ -285,7 +288,7 @@ class Retriever:
                         for i, p in enumerate(pieces)
                     )
                 offset += len(segment) + len(CHUNK_SEPARATOR)
-            return _DocumentState(tuple(chunks))
+            return _DocumentState(tuple(chunks), kind="conversation")
 
         joined = CHUNK_SEPARATOR.join(segments)
         return self._cached("segments:" + self._document_key(joined + "\0" + str([len(s) for s in segments]), chunk_tokens), build)
@@ -305,8 +308,12 @@ class Retriever:
         h.update(document.encode("utf-8", "surrogatepass"))
         return h.hexdigest()
 
+    def method_for(self, kind: str) -> str:
+        """The method used on text of ``kind`` (``"document"`` or ``"conversation"``): ``auto`` resolved."""
+        return AUTO_METHOD[kind] if self.config.method == "auto" else self.config.method
+
     def _scores(self, state: _DocumentState, query: str) -> np.ndarray:
-        method = self.config.method
+        method = self.method_for(state.kind)
         if method == "bm25":
             return self._bm25(state).scores(query)
         if method == "dense":
