@@ -113,6 +113,7 @@ def measure(cases: list[Case], methods: list[str], budgets: list[int], chunk_tok
                 retriever = Retriever(RetrievalConfig(method=method, chunk_tokens=size), tokenizer=tokenizer, embedder=embedder)
                 chunks = retriever.chunks(case.document)
                 counts = [c.num_tokens for c in chunks]
+                document_tokens = sum(counts)
                 starts = np.array([c.char_start for c in chunks])
                 ends = np.array([c.char_end for c in chunks])
                 for question, evidence in case.qa:
@@ -126,7 +127,7 @@ def measure(cases: list[Case], methods: list[str], budgets: list[int], chunk_tok
                         h[2] += got == len(evidence)
                         h[3] += 1
                         h[4] += sum(counts[i] for i in chosen)
-                        h[5] += sum(counts)
+                        h[5] += document_tokens
     return hits
 
 
