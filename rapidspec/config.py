@@ -10,19 +10,20 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from rapidspec.drafting import DEFAULT_SINK_TOKENS, DEFAULT_STREAMING_TOKENS
+from rapidspec.drafting.backends import DRAFTER_BACKENDS
+from rapidspec.drafting.modes import (  # noqa: F401  (the mode table's views, public here too)
+    MODE_TABLE,
+    MODES,
+    TARGET_READS_RETRIEVED,
+    USES_DRAFTER,
+    USES_MODEL_DRAFTER,
+    USES_RETRIEVAL,
+)
+from rapidspec.drafting.streaming import DEFAULT_SINK_TOKENS, DEFAULT_STREAMING_TOKENS
 from rapidspec.errors import RapidspecError
 
-Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec"]
-MODES: tuple[str, ...] = ("lc", "rag", "sd", "ragsd", "rapid", "magicdec")
+Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
 GAMMA_SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "cost")
-# What each mode feeds the target and the drafter (DESIGN.md section 2).
-TARGET_READS_RETRIEVED = {"rag"}
-USES_DRAFTER = {"sd", "ragsd", "rapid", "magicdec"}
-# The drafter reads a StreamingLLM view of the target's prompt (rapidspec.drafting).
-DRAFTER_READS_STREAMING = {"magicdec"}
-DRAFTER_READS_RETRIEVED = {"ragsd", "rapid"}
-USES_RETRIEVAL = {"rag", "ragsd", "rapid"}
 
 #: Chosen from the dev studies (docs/quality.md, "The defaults and their evidence"): with self-speculation
 #: (the default drafter) eta = 5 scored above 2 on the built-in needle tasks and on QuALITY with Qwen 1.5B;
@@ -34,7 +35,10 @@ DEFAULT_RAPID_ETA = 5.0
 class DecodeConfig:
     """How to decode. See README "Modes and knobs".
 
-    * ``mode``: ``lc`` | ``rag`` | ``sd`` | ``ragsd`` | ``rapid`` | ``magicdec``.
+    * ``mode``: ``lc`` | ``rag`` | ``sd`` | ``ragsd`` | ``rapid`` | ``magicdec`` | ``lookup``
+      (:data:`rapidspec.drafting.modes.MODE_TABLE`).
+    * ``drafter_backend``: ``auto`` (the engine's default), ``torch`` or
+      ``llama.cpp``: what runs a model drafter (:mod:`rapidspec.drafting.backends`).
     * ``sink_tokens``, ``streaming_tokens``: mode ``magicdec``'s drafter reads
       the first ``sink_tokens`` and the last ``streaming_tokens - sink_tokens``
       tokens of the target's prompt (a StreamingLLM cache, :mod:`rapidspec.drafting`).
@@ -83,6 +87,7 @@ class DecodeConfig:
     truncate: Literal["middle", "error"] = "middle"
     sink_tokens: int = DEFAULT_SINK_TOKENS
     streaming_tokens: int = DEFAULT_STREAMING_TOKENS
+    drafter_backend: Literal["auto", "torch", "llama.cpp"] = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,7 +95,7 @@ class DecodeConfig:
         if self.eta is not None:
             if not math.isfinite(self.eta) or self.eta < 0:
                 raise RapidspecError(f"eta must be a finite number >= 0, got {self.eta}")
-            if self.eta > 0 and self.mode != "rapid":
+            if self.eta > 0 and not MODE_TABLE[self.mode].eta:
                 raise RapidspecError(f"eta applies to mode 'rapid' only; mode {self.mode!r} uses eta = 0")
         if not isinstance(self.gamma, int) or self.gamma < 1:
             raise RapidspecError(f"gamma must be an integer >= 1, got {self.gamma}")
@@ -122,12 +127,14 @@ class DecodeConfig:
             raise RapidspecError(
                 f"streaming_tokens must be an integer >= sink_tokens + 16 ({self.sink_tokens + 16}), got {self.streaming_tokens}"
             )
+        if self.drafter_backend not in DRAFTER_BACKENDS:
+            raise RapidspecError(f"drafter_backend must be one of {', '.join(DRAFTER_BACKENDS)}, got {self.drafter_backend!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
     def effective_eta(self) -> float:
         """The eta actually used: the given one, 5.0 for ``rapid`` by default, else 0."""
-        if self.mode != "rapid":
+        if not MODE_TABLE[self.mode].eta:
             return 0.0
         return DEFAULT_RAPID_ETA if self.eta is None else float(self.eta)
 

@@ -37,13 +37,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rapidspec.config import (
-    DRAFTER_READS_RETRIEVED,
-    DRAFTER_READS_STREAMING,
-    TARGET_READS_RETRIEVED,
-    USES_DRAFTER,
-    USES_RETRIEVAL,
-)
+from rapidspec.drafting import MODE_TABLE
 from rapidspec.errors import ContextLengthError, RapidspecError
 from rapidspec.prompts import PromptPair, chat_template_ids, cut_middle, text_ids
 from rapidspec.retrieval import CHUNK_SEPARATOR
@@ -158,7 +152,8 @@ def chat_prompts(
     rest = list(messages[n_system:])
     earlier, last = rest[:-1], rest[-1]
     retrieval, turns = None, ()
-    wants_retrieval = mode in USES_RETRIEVAL
+    spec = MODE_TABLE[mode]
+    wants_retrieval = spec.uses_retrieval
 
     def with_system(extra: str) -> list[Message]:
         text = CHUNK_SEPARATOR.join(t for t in (system_text, extra) if t)
@@ -189,13 +184,14 @@ def chat_prompts(
             retrieval = retriever.retrieve(corpus_text, query or tail)
             short_messages = with_system("") + [Message("user", retrieval.text + separator + tail)]
 
-    target_messages = short_messages if mode in TARGET_READS_RETRIEVED else long_messages
+    target_reads_retrieved = spec.target_reads == "retrieved"
+    target_messages = short_messages if target_reads_retrieved else long_messages
     target_ids, truncated = fit_messages(tokenizer, target_messages, target_window, truncate, raw)
     drafter_ids = None
-    if mode in USES_DRAFTER and mode not in DRAFTER_READS_STREAMING:  # a streaming view is the engine's
-        drafter_messages = short_messages if mode in DRAFTER_READS_RETRIEVED else target_messages
+    if spec.drafter_reads in ("full", "retrieved"):  # a streaming view is the engine's
+        drafter_messages = short_messages if spec.drafter_reads == "retrieved" else target_messages
         drafter_ids = tuple(fit_messages(tokenizer, drafter_messages, drafter_window, truncate, raw)[0])
-    return PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, mode in TARGET_READS_RETRIEVED, turns)
+    return PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, target_reads_retrieved, turns)
 
 
 def _retrieved_turns(corpus: Sequence[Message], retrieval) -> tuple[list[Message], list[int]]:

@@ -4,21 +4,16 @@
 document and a question), ``stream_chat`` (a conversation), the CLI, the
 server, evaluation and benchmarks all consume it. Prompts come from
 :mod:`rapidspec.prompts` and :mod:`rapidspec.conversation`; target caches are
-reused through :mod:`rapidspec.prefix_cache`. One round of speculative
-decoding (modes ``sd``, ``ragsd``, ``rapid``)::
+reused through :mod:`rapidspec.prefix_cache`; drafters come from
+:mod:`rapidspec.drafting` (the mode table says which). One round::
 
-    1 prefill   target cache <- target prompt[:-1], drafter cache <- drafter prompt[:-1]
-    2 draft     drafter feeds its pending tokens, then drafts k tokens one by one, k from
-                the gamma schedule (fewer when a draft's q is below ``draft_confidence``;
-                none when the ``cost`` schedule makes the round a plain target step)
+    1 prefill   target cache <- target prompt[:-1]; the drafter prefills its own prompt
+    2 draft     the drafter proposes k tokens (k from the gamma schedule; 0 = a plain step)
     3 verify    target feeds [pending, x_1..x_k] in ONE forward -> logits z_1..z_{k+1}
-    4 accept    keep the longest accepted prefix x_1..x_n, then emit one token from
-                the residual (n < k) or from p^ at position k+1 (bonus, n = k); with
-                eta > 0 the bonus needs q there, so only then the drafter feeds x_k
-    5 roll back both caches to the committed tokens (minus the pending last one)
+    4 accept    sampling.verify: accepted prefix, then the recovered or bonus token
+    5 commit    both caches roll back to the committed tokens (minus the pending last one)
 
-The math of step 4 lives in :mod:`rapidspec.sampling`; the caches in :mod:`rapidspec.cache`;
-the choice of k in :mod:`rapidspec.gamma_schedule`. Modes ``lc`` and ``rag`` run the plain loop.
+Modes ``lc`` and ``rag`` have no drafter: every round is a plain step.
 """
 
 from __future__ import annotations
@@ -33,6 +28,9 @@ import torch
 from rapidspec import sampling
 from rapidspec.config import DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
+from rapidspec.drafting import MODE_TABLE, NO_PROPOSAL
+from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters, choose_backend, gguf_file
+from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.errors import RapidspecError
 from rapidspec.gamma_schedule import GammaSchedule, new_schedule
 from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
@@ -58,11 +56,16 @@ def _sync(device: torch.device) -> None:
 class Rapid:
     """Long-context generation with a retrieval-augmented drafter.
 
-    ``target`` and ``drafter`` are :class:`rapidspec.models.LoadedModel`
-    objects (anything with ``model``, ``tokenizer`` and ``max_context``).
-    Without a drafter the target's weights draft with a cache of their own
-    (self-speculation). A drafter may be smaller or larger and live on another
-    device; its vocabulary must equal the target's.
+    ``target`` is a :class:`rapidspec.models.LoadedModel` (anything with
+    ``model``, ``tokenizer`` and ``max_context``). ``drafter``: None drafts
+    with the target's weights and a cache of its own (self-speculation); a
+    loaded model or a model name drafts with that model, smaller or larger,
+    on any device; its vocabulary must equal the target's.
+    ``drafter_backend``: ``auto`` (llama.cpp on CPU when the drafter has a
+    GGUF file and llama-cpp-python is installed, else torch), ``torch`` or
+    ``llama.cpp`` (:mod:`rapidspec.drafting.backends`); a request's
+    ``DecodeConfig.drafter_backend`` may pick another one (made on first
+    use). ``drafter_threads``: llama.cpp's threads (default: torch's).
     """
 
     def __init__(
@@ -74,22 +77,58 @@ class Rapid:
         prefill_chunk_tokens: int = 2048,
         reuse_document_cache: bool = True,
         prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB,
+        drafter_backend: str = "auto",
+        drafter_threads: int | None = None,
     ) -> None:
         from rapidspec.retrieval import RetrievalConfig, Retriever
 
         self.target = target
-        self.drafter = drafter if drafter is not None else target
-        if self.drafter is not target:
-            check_same_vocabulary(target.tokenizer, self.drafter.tokenizer)
         self.tokenizer = target.tokenizer
+        if drafter is not None and not isinstance(drafter, str) and drafter is not target:
+            check_same_vocabulary(target.tokenizer, drafter.tokenizer)
+        self._drafter_source = drafter  # None, a loaded model, or a name (loaded on first torch use)
+        self.drafter_threads = drafter_threads or torch.get_num_threads()
+        if self.drafter_threads < 1:
+            raise RapidspecError(f"drafter_threads must be >= 1, got {drafter_threads}")
         self.template = template or PromptTemplate()
         self.retriever = Retriever(retrieval or RetrievalConfig(), tokenizer=self.tokenizer)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reuse_document_cache = reuse_document_cache
         self.prefix_cache = PrefixCache(int(prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
         self.eos_token_ids = eos_token_ids(target)
+        self._pools: dict[str, object] = {}
+        self.drafter_backend = choose_backend(drafter_backend, target, drafter)
+        pool = self.drafters(self.drafter_backend)
         # Logits beyond the smaller vocabulary (embedding padding) are never real tokens.
-        self.vocab_size = min(logit_width(target.model), logit_width(self.drafter.model))
+        self.vocab_size = min(logit_width(target.model), pool.logit_width)
+
+    @property
+    def drafter(self):
+        """The torch drafter model (the target for self-speculation), loaded on first use when given by name."""
+        if isinstance(self._drafter_source, str):
+            from rapidspec.models import load_model
+
+            self._drafter_source = load_model(self._drafter_source, dtype=self.target.dtype, device=self.target.device)
+            check_same_vocabulary(self.target.tokenizer, self._drafter_source.tokenizer)
+        return self.target if self._drafter_source is None else self._drafter_source
+
+    @property
+    def drafter_label(self) -> str:
+        """What drafts by default, e.g. ``self (llama.cpp, llama 256M Q4_1)``."""
+        return self.drafters(self.drafter_backend).label
+
+    def drafters(self, backend: str):
+        """The drafter pool of ``backend`` (``auto``: this engine's default), made on first use."""
+        backend = self.drafter_backend if backend == "auto" else choose_backend(backend, self.target, self._drafter_source)
+        if backend not in self._pools:
+            source = self._drafter_source
+            name = "self" if source is None else getattr(source, "label", str(source))
+            if backend == "llama.cpp":
+                gguf = gguf_file(self.target if source is None else source)
+                self._pools[backend] = LlamaCppDrafters(gguf, self.drafter_threads, self.tokenizer, name)
+            else:
+                self._pools[backend] = TorchDrafters(self.drafter, self.prefill_chunk_tokens, name)
+        return self._pools[backend]
 
     # ------------------------------------------------------------------ API
     def generate(self, document: str, question: str, **options) -> GenerationOutput:
@@ -185,8 +224,9 @@ class Rapid:
         ``generator`` overrides the seeded one for sampling; ``profile`` syncs
         the device around each phase (exact times on GPUs); ``observer(target_cache,
         target_seq, drafter_cache, drafter_seq)`` is called after every round's
-        rollback (read only); ``schedule`` replaces the gamma schedule the config
-        names (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops after the current round.
+        rollback (read only; the drafter's cache is None for ``lookup``);
+        ``schedule`` replaces the gamma schedule the config names
+        (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops after the current round.
         """
         stats = GenerationStats.starting(config, prompts)
         target_device = self.target.model.device
@@ -202,29 +242,29 @@ class Rapid:
             target_cache = self._prefill_target(target_seq, stats, use_store)
             _sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
-
-            drafter_cache = drafter_seq = None
-            if prompts.drafter_ids is not None:
-                drafter_seq = list(prompts.drafter_ids)
-                started = time.perf_counter()
-                drafter_cache = new_kv_cache(self.drafter, self.prefill_chunk_tokens)
-                drafter_cache.prefill(drafter_seq[:-1])
-                _sync(self.drafter.model.device)
-                stats.drafter_prefill_seconds = time.perf_counter() - started
+            started = time.perf_counter()
+            drafter = self._start_drafter(prompts, config, stats)
+            if drafter is not None and drafter.cache is not None:
+                _sync(drafter.device)
+            stats.drafter_prefill_seconds = time.perf_counter() - started
 
             # 2-5 decode
             # (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
+            consistent = False  # an error inside a round may leave a cache half-written: then keep neither
             try:
                 yield from self._decode(
-                    config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, prompts, profile,
-                    observer, schedule or new_schedule(config),
+                    config, stats, generator, target_cache, target_seq, drafter, prompts, profile, observer,
+                    schedule or new_schedule(config),
                 )
+                consistent = True
             except GeneratorExit:
-                if use_store:
-                    self.prefix_cache.store(target_cache)
+                consistent = True
                 raise
-            if use_store:
-                self.prefix_cache.store(target_cache)  # the cache is the store's from now on
+            finally:
+                if drafter is not None:
+                    drafter.close(keep=consistent)
+                if use_store and consistent:
+                    self.prefix_cache.store(target_cache)  # the cache is the store's from now on
 
     def clear_document_cache(self) -> None:
         """Forget every stored target cache (the next prefill starts from scratch)."""
@@ -237,7 +277,10 @@ class Rapid:
         if target_window < 16:
             raise RapidspecError(f"max_new_tokens={config.max_new_tokens} leaves no room for the prompt in the "
                                  f"{self.target.max_context}-token window", param="max_tokens", code="context_length_exceeded")
-        return target_window, max(16, self.drafter.max_context - config.max_new_tokens)
+        drafter_context = self.target.max_context
+        if MODE_TABLE[config.mode].drafter_kind == "model":
+            drafter_context = self.drafters(config.drafter_backend).max_context or drafter_context
+        return target_window, max(16, drafter_context - config.max_new_tokens)
 
     def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool):
         """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix."""
@@ -250,41 +293,66 @@ class Rapid:
         cache.prefill(wanted[cache.length :])
         return cache
 
-    def _decode(
-        self, config, stats, generator, target_cache, target_seq, drafter_cache, drafter_seq, prompts, profile, observer,
-        schedule,
-    ):
+    def _start_drafter(self, prompts: PromptPair, config: DecodeConfig, stats: GenerationStats):
+        """The drafter of this generation, prefilled on its prompt (None for modes without one)."""
+        kind = MODE_TABLE[config.mode].drafter_kind
+        if kind is None or prompts.drafter_ids is None:
+            return None
+        device = self.target.model.device
+        if kind == "lookup":
+            stats.drafter = "lookup"
+            return LookupDrafter(list(prompts.drafter_ids), logit_width(self.target.model), device)
+        pool = self.drafters(config.drafter_backend)
+        stats.drafter = pool.label
+        room = config.max_new_tokens + config.max_gamma + 2
+        vocab = min(logit_width(self.target.model), pool.logit_width)
+        drafter, stats.drafter_prefill_reused_tokens = pool.start(prompts.drafter_ids, room, vocab, device)
+        return drafter
+
+    def _decode(self, config, stats, generator, target_cache, target_seq, drafter, prompts, profile, observer, schedule):
         prompt_length = len(target_seq)
-        drafter_prompt_length = len(drafter_seq) if drafter_seq is not None else 0
         assembler = TextAssembler(self.tokenizer, config.stop)
         sync = profile or config.gamma_schedule == "cost"  # the cost schedule needs exact step times
+        stop_tokens = frozenset() if config.ignore_eos else self.eos_token_ids
+        rules = {"eta": config.effective_eta, "alpha": config.draft_gate, "temperature": config.temperature,
+                 "top_k": config.top_k, "top_p": config.top_p, "residual": config.residual, "generator": generator}
         started = time.perf_counter()
         while True:
             remaining = config.max_new_tokens - (len(target_seq) - prompt_length)
-            if drafter_cache is None:
-                emitted = self._plain_step(config, generator, target_cache, target_seq)
-            else:
-                emitted, measured = self._speculative_step(
-                    config, generator, target_cache, target_seq, drafter_cache, drafter_seq,
-                    min(schedule.next_drafts(), remaining - 1), sync,
-                )
+            # 2 draft
+            t0 = time.perf_counter()
+            k = 0 if drafter is None else min(schedule.next_drafts(), remaining - 1)
+            proposal = NO_PROPOSAL if drafter is None else drafter.propose(k, config, generator, stop_tokens)
+            if sync and drafter is not None and drafter.cache is not None:
+                _sync(drafter.device)
+            # 3 verify: one target forward over [pending, x_1..x_k]
+            t1 = time.perf_counter()
+            fed = target_seq[target_cache.length :] + proposal.tokens
+            target_logits = target_cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, : self.vocab_size]
+            if sync:
+                _sync(target_cache.device)
+            # 4 accept
+            t2 = time.perf_counter()
+            bonus_row = None if drafter is None else (lambda: drafter.bonus_row(config, stop_tokens))
+            verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, bonus_row=bonus_row, **rules)
+            emitted = proposal.tokens[: verdict.accepted] + [verdict.next_token]
+            if drafter is not None:
+                if sync:
+                    _sync(target_cache.device)
+                bonus = drafter.bonus_seconds if verdict.used_bonus_row else 0.0
+                measured = RoundRecord(len(proposal.tokens), verdict.accepted, t1 - t0 + bonus,
+                                       proposal.forwards + int(verdict.used_bonus_row), t2 - t1,
+                                       time.perf_counter() - t2 - bonus, len(fed))
                 stats.add_round(measured)
                 schedule.record(measured)
             # 5 commit: stop at EOS and at max_new_tokens, then roll back the caches
-            finished = ""
-            for index, token in enumerate(emitted):
-                if self._ends_generation(token, config):
-                    emitted, finished = emitted[:index], "eos"
-                    break
-            if len(emitted) >= remaining:
-                emitted, finished = emitted[:remaining], finished or "length"
+            emitted, finished = self._cut(emitted, remaining, stop_tokens)
             target_seq.extend(emitted)
             target_cache.crop(min(target_cache.length, len(target_seq) - 1))
-            if drafter_cache is not None:
-                drafter_seq.extend(emitted)
-                drafter_cache.crop(min(drafter_cache.length, len(drafter_seq) - 1))
+            if drafter is not None:
+                drafter.commit(emitted)
             if observer is not None:
-                observer(target_cache, target_seq, drafter_cache, drafter_seq)
+                observer(target_cache, target_seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
             text, stopped = assembler.add(emitted)
             if stopped:
                 finished = "stop"
@@ -299,148 +367,19 @@ class Rapid:
         stats.new_tokens = len(target_seq) - prompt_length
         stats.stop_reason = finished
         generated = tuple(target_seq[prompt_length:])
-        if drafter_seq is not None:
-            assert tuple(drafter_seq[drafter_prompt_length:]) == generated
+        if drafter is not None:
+            assert tuple(drafter.sequence[len(prompts.drafter_ids) :]) == generated
         output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns)
         yield StreamChunk(text="", token_ids=(), output=output)
 
-    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[..., : self.vocab_size]
-
-    def _choose(self, logits: torch.Tensor, config: DecodeConfig, generator) -> torch.Tensor:
-        """Next token of plain decoding from [k, V] logits ([k])."""
-        if config.greedy:
-            return logits.argmax(dim=-1)
-        probs = (sampling.filter_logits(logits, config.top_k, config.top_p) / config.temperature).softmax(-1)
-        return sampling.sample(probs, generator)
-
-    def _plain_step(self, config, generator, cache, seq) -> list[int]:
-        """One step of plain autoregressive decoding (modes lc, rag)."""
-        logits = self._logits(cache.forward(seq[cache.length :], num_logits=1))  # [1, V]
-        return [int(self._choose(logits, config, generator)[0])]
-
-    def _ends_generation(self, token: int, config: DecodeConfig) -> bool:
-        """Whether ``token`` is an EOS that stops generation (never with ``ignore_eos``)."""
-        return token in self.eos_token_ids and not config.ignore_eos
-
-    def _draft_row(self, logits: torch.Tensor, config: DecodeConfig, device: torch.device) -> torch.Tensor:
-        """What step 4 keeps of a drafter position ([V] -> [V] on ``device``).
-
-        Greedy: the raw logits (q is taken at T = 1). Sampling: q, the filtered
-        logits at the temperature, normalised.
-        """
-        if config.greedy:
-            return logits.to(device)
-        filtered = sampling.filter_logits(logits[None].to(device), config.top_k, config.top_p)  # [1, V]
-        return (filtered / config.temperature).softmax(-1)[0]
-
-    def _speculative_step(self, config, generator, target_cache, target_seq, drafter_cache, drafter_seq, k, sync):
-        """One draft/verify round of k drafts (``sync``: time the devices exactly); returns (emitted tokens, its record)."""
-        eta, alpha = config.effective_eta, config.draft_gate
-        greedy, confidence = config.greedy, config.draft_confidence
-        target_device = target_cache.device
-        drafter_device = drafter_cache.device
-
-        # 2 draft: feed the pending tokens, then draft up to k tokens one by one
-        # (x_k itself is not fed). Rows kept for step 4: q, or the raw logits
-        # when greedy (only needed when eta > 0).
-        started = time.perf_counter()
-        drafts: list[int] = []
-        draft_rows: list[torch.Tensor] = []  # each [V], on the target's device
-        if k > 0:
-            logits = self._logits(drafter_cache.forward(drafter_seq[drafter_cache.length :], 1))[0]  # [V]
-            for position in range(k):
-                if greedy:
-                    if eta > 0:
-                        draft_rows.append(self._draft_row(logits, config, target_device))
-                    token = int(logits.argmax())
-                    unsure = confidence > 0 and sampling.top_probability(logits) < confidence
-                else:
-                    draft_rows.append(self._draft_row(logits, config, target_device))
-                    token = int(sampling.sample(draft_rows[-1][None], generator)[0])
-                    unsure = confidence > 0 and float(draft_rows[-1][token]) < confidence
-                drafts.append(token)
-                if position == k - 1 or unsure or self._ends_generation(token, config):
-                    break  # nothing to draft after EOS; an unsure draft likely ends the accepted run
-                logits = self._logits(drafter_cache.forward([token], 1))[0]
-        if sync:
-            _sync(drafter_device)
-        draft_seconds = time.perf_counter() - started
-
-        # 3 verify: one target forward over [pending, x_1..x_k].
-        started = time.perf_counter()
-        pending = target_seq[target_cache.length :]
-        target_logits = self._logits(target_cache.forward(pending + drafts, num_logits=len(drafts) + 1))  # [k+1, V]
-        if sync:
-            _sync(target_device)
-        verify_seconds = time.perf_counter() - started
-
-        # 4 accept
-        started = time.perf_counter()
-        bonus_row, bonus_seconds = None, 0.0  # drafter time inside step 4 counts as drafting
-        draft_tensor = torch.tensor(drafts, dtype=torch.long, device=target_device)  # [k]
-        rows = torch.stack(draft_rows) if draft_rows else None  # [k, V]
-        if greedy:
-            choices = sampling.greedy_target_choices(target_logits, rows, eta, alpha)  # [k+1]
-            accepted = sampling.greedy_accepted_length(draft_tensor, choices)
-            bonus_row, bonus_seconds = self._bonus_row(
-                config, drafter_cache, drafter_seq, drafts, accepted, target_device, sync
-            )
-            if bonus_row is not None:
-                bonus = slice(accepted, accepted + 1)
-                choices[bonus] = sampling.greedy_target_choices(target_logits[bonus], bonus_row[None], eta, alpha)
-            next_token = int(choices[accepted])
-        else:
-            scaled = sampling.filter_logits(target_logits, config.top_k, config.top_p) / config.temperature
-            target_probs = scaled.softmax(-1)  # [k+1, V]
-            augmented_probs = target_probs.clone()
-            if eta > 0 and rows is not None:
-                n_rows = rows.shape[0]
-                augmented_probs[:n_rows] = sampling.augmented_logits(
-                    scaled[:n_rows], target_probs[:n_rows], rows, eta, alpha
-                ).softmax(-1)
-            uniforms = torch.rand(len(drafts), generator=generator, device=target_device)  # [k]
-            accept = sampling.acceptance_mask(draft_tensor, rows, augmented_probs, uniforms) if drafts else draft_tensor.bool()
-            accepted = sampling.accepted_prefix_length(accept)
-            i = slice(accepted, accepted + 1)
-            if accepted < len(drafts):
-                residual = sampling.residual_probs(target_probs[i], rows[i], augmented_probs[i], config.residual)
-                next_token = int(sampling.sample(residual, generator)[0])
-            else:
-                bonus_row, bonus_seconds = self._bonus_row(
-                    config, drafter_cache, drafter_seq, drafts, accepted, target_device, sync
-                )
-                if bonus_row is not None:
-                    augmented_probs[i] = sampling.augmented_logits(
-                        scaled[i], target_probs[i], bonus_row[None], eta, alpha
-                    ).softmax(-1)
-                next_token = int(sampling.sample(augmented_probs[i], generator)[0])
-        if sync:
-            _sync(target_device)
-        measured = RoundRecord(
-            len(drafts), accepted, draft_seconds + bonus_seconds, len(drafts) + (bonus_row is not None), verify_seconds,
-            time.perf_counter() - started - bonus_seconds, len(pending) + len(drafts),
-        )
-        return drafts[:accepted] + [next_token], measured
-
-    def _bonus_row(
-        self, config, drafter_cache, drafter_seq, drafts, accepted, target_device, sync
-    ) -> tuple[torch.Tensor | None, float]:
-        """The drafter's row at the bonus position k + 1 ([V] or None) and the seconds it took.
-
-        Computed only when it is used: eta > 0 and every draft accepted (and
-        the last draft is not an EOS that ends generation). Feeding x_k then
-        costs nothing extra, since the next round would feed it anyway.
-        """
-        if config.effective_eta == 0 or accepted < len(drafts):
-            return None, 0.0
-        if drafts and self._ends_generation(drafts[-1], config):
-            return None, 0.0
-        started = time.perf_counter()
-        unfed = (drafter_seq + drafts)[drafter_cache.length :]
-        logits = self._logits(drafter_cache.forward(unfed, 1))[0]  # [V]
-        row = self._draft_row(logits, config, target_device)
-        if sync:
-            _sync(drafter_cache.device)
-        return row, time.perf_counter() - started
-
+    @staticmethod
+    def _cut(emitted: list[int], remaining: int, stop_tokens: frozenset[int]) -> tuple[list[int], str]:
+        """``emitted`` up to an EOS and to ``remaining`` tokens, and why generation finishes ("" = it goes on)."""
+        finished = ""
+        for index, token in enumerate(emitted):
+            if token in stop_tokens:
+                emitted, finished = emitted[:index], "eos"
+                break
+        if len(emitted) >= remaining:
+            emitted, finished = emitted[:remaining], finished or "length"
+        return emitted, finished

@@ -267,7 +267,7 @@ def _load_pretrained(
     return model, tokenizer
 
 
-def _resolve_source(name: str) -> tuple[str, Path | None]:
+def resolve_source(name: str) -> tuple[str, Path | None]:
     """Map a user-facing name to (source, gguf path or None)."""
     stripped = name.strip()
     if stripped.lower() == "builtin" or stripped.lower().startswith("builtin:"):
@@ -322,7 +322,7 @@ def load_model(
         from rapidspec.attention import register
 
         attention = register()
-    source, gguf = _resolve_source(name)
+    source, gguf = resolve_source(name)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     start = time.perf_counter()

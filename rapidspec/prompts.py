@@ -15,15 +15,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from rapidspec.config import (
-    DRAFTER_READS_RETRIEVED,
-    DRAFTER_READS_STREAMING,
-    TARGET_READS_RETRIEVED,
-    USES_DRAFTER,
-    USES_RETRIEVAL,
-    DecodeConfig,
-)
-from rapidspec.drafting import streaming_view
+from rapidspec.config import DecodeConfig
+from rapidspec.drafting import MODE_TABLE, streaming_view
 from rapidspec.errors import ContextLengthError, RapidspecError
 
 logger = logging.getLogger(__name__)
@@ -177,17 +170,17 @@ def document_prompts(
         raise RapidspecError("the document is empty", param="document")
     if not question or not question.strip():
         raise RapidspecError("the question is empty", param="question")
-    mode = config.mode
+    spec = MODE_TABLE[config.mode]
     if corpus is not None and not corpus.strip():
         raise RapidspecError("the retrieval corpus is empty", param="corpus")
-    retrieval = retriever.retrieve(corpus or document, query or question) if mode in USES_RETRIEVAL else None
-    target_reads_retrieved = mode in TARGET_READS_RETRIEVED
+    retrieval = retriever.retrieve(corpus or document, query or question) if spec.uses_retrieval else None
+    target_reads_retrieved = spec.target_reads == "retrieved"
     target_doc = retrieval.text if target_reads_retrieved else document
     target_doc, truncated = fit_document(tokenizer, template, target_doc, question, target_window, config.truncate)
     target_ids = prompt_ids(tokenizer, template, target_doc, question, target_reads_retrieved)
     drafter_ids = None
-    if mode in USES_DRAFTER and mode not in DRAFTER_READS_STREAMING:
-        drafter_reads_retrieved = mode in DRAFTER_READS_RETRIEVED
+    if spec.drafter_reads in ("full", "retrieved"):  # a streaming view is made below
+        drafter_reads_retrieved = spec.drafter_reads == "retrieved"
         drafter_doc = retrieval.text if drafter_reads_retrieved else target_doc
         drafter_doc, _ = fit_document(tokenizer, template, drafter_doc, question, drafter_window, config.truncate)
         drafter_ids = tuple(prompt_ids(tokenizer, template, drafter_doc, question, drafter_reads_retrieved))
@@ -198,7 +191,7 @@ def document_prompts(
 def with_streaming_drafter(pair: PromptPair, config: DecodeConfig, drafter_window: int) -> PromptPair:
     """``pair`` with the drafter's StreamingLLM view of the target's prompt when ``config.mode`` drafts from one
     (at most ``drafter_window`` tokens)."""
-    if config.mode not in DRAFTER_READS_STREAMING:
+    if MODE_TABLE[config.mode].drafter_reads != "streaming":
         return pair
     budget = min(config.streaming_tokens, drafter_window)
     view = streaming_view(pair.target_ids, min(config.sink_tokens, budget), budget)

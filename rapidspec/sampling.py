@@ -24,6 +24,8 @@ Shapes: ``[k, V]`` is k positions of one sequence (batch size 1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -190,3 +192,96 @@ def output_distribution_paper(
     m = torch.minimum(draft_probs, augmented_probs)  # [k, V]
     beta = m.sum(dim=-1, keepdim=True)  # [k, 1]
     return m + (1.0 - beta) * residual_probs(target_probs, draft_probs, augmented_probs, "paper")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided: ``accepted`` leading drafts are kept, then ``next_token`` is emitted.
+
+    ``next_token`` is the *recovered* token when ``accepted < k`` and the
+    *bonus* token when ``accepted == k``; ``used_bonus_row`` says whether the
+    drafter's row at the bonus position was asked for.
+    """
+
+    accepted: int
+    next_token: int
+    used_bonus_row: bool = False
+
+
+def verify(
+    target_logits: torch.Tensor,
+    drafts: list[int],
+    draft_rows: torch.Tensor | None,
+    *,
+    eta: float,
+    alpha: float,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    residual: Residual = "exact",
+    generator: torch.Generator | None = None,
+    bonus_row: Callable[[], torch.Tensor | None] | None = None,
+) -> Verdict:
+    """Verify k drafted tokens against the target's logits: the step 4 of every round.
+
+    ``target_logits``: [k + 1, V], row i predicts the token after draft i
+    (row 0: after the committed tokens). ``drafts``: the k drafted tokens
+    (k = 0 is a plain decoding step). ``draft_rows``: [r, V] on the same
+    device, the drafter's rows at the drafted positions: when sampling, q
+    (the filtered drafter logits at ``temperature``, normalised; r = k); when
+    greedy, the raw drafter logits, needed only when eta > 0 (r <= k; rows
+    past r take the plain target choice), else None. ``bonus_row()`` returns
+    the drafter's row at position k + 1 (same kind), or None; it is called
+    only when eta > 0 and every draft was accepted, since p^ there needs q.
+
+    Definitions (the engine emits ``drafts[:accepted] + [next_token]``):
+
+    * **accepted**: the longest prefix of drafts the target keeps. Greedy:
+      draft i equals argmax(z_i + eta * g_i) (p, q at temperature 1).
+      Sampling: draft i is kept with probability min(1, p^_i(x_i) / q_i(x_i)).
+    * **recovered** token (accepted < k): greedy, the target's choice at the
+      first mismatch; sampling, a draw from the residual
+      (:func:`residual_probs`) at the first rejection.
+    * **bonus** token (accepted = k): the target's choice (greedy) or a draw
+      from p^ at position k + 1, with the bonus row when there is one.
+
+    With eta = 0 every emitted token follows p (greedy: equals plain decoding).
+    Example (greedy, eta = 0): drafts [5, 7, 9], argmax rows [5, 7, 2, 4] ->
+    accepted 2, recovered token 2.
+    """
+    assert target_logits.dim() == 2 and target_logits.shape[0] == len(drafts) + 1, "target_logits must be [k+1, V]"
+    k = len(drafts)
+    device = target_logits.device
+    draft_tensor = torch.tensor(drafts, dtype=torch.long, device=device)  # [k]
+    if temperature == 0.0:
+        choices = greedy_target_choices(target_logits, draft_rows, eta, alpha)  # [k+1]
+        accepted = greedy_accepted_length(draft_tensor, choices)
+        used_bonus = False
+        if accepted == k and eta > 0 and bonus_row is not None:
+            row = bonus_row()  # [V] or None
+            used_bonus = True
+            if row is not None:
+                choices[k:] = greedy_target_choices(target_logits[k:], row[None], eta, alpha)
+        return Verdict(accepted, int(choices[accepted]), used_bonus)
+
+    scaled = filter_logits(target_logits, top_k, top_p) / temperature  # [k+1, V]
+    target_probs = scaled.softmax(-1)  # [k+1, V]
+    augmented_probs = target_probs.clone()  # [k+1, V]
+    if eta > 0 and draft_rows is not None and k > 0:
+        augmented_probs[:k] = augmented_logits(scaled[:k], target_probs[:k], draft_rows, eta, alpha).softmax(-1)
+    if k > 0:
+        uniforms = torch.rand(k, generator=generator, device=device)  # [k]
+        accepted = accepted_prefix_length(acceptance_mask(draft_tensor, draft_rows, augmented_probs, uniforms))
+    else:
+        accepted = 0
+    at = slice(accepted, accepted + 1)
+    if accepted < k:
+        recovery = residual_probs(target_probs[at], draft_rows[at], augmented_probs[at], residual)  # [1, V]
+        return Verdict(accepted, int(sample(recovery, generator)[0]))
+    used_bonus = False
+    if eta > 0 and bonus_row is not None:
+        row = bonus_row()  # [V] q at position k + 1, or None
+        used_bonus = True
+        if row is not None:
+            augmented_probs[at] = augmented_logits(scaled[at], target_probs[at], row[None], eta, alpha).softmax(-1)
+    return Verdict(accepted, int(sample(augmented_probs[at], generator)[0]), used_bonus)

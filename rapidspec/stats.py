@@ -40,6 +40,8 @@ class GenerationStats:
     retrieved_tokens: int = 0
     retrieved_chunks: int = 0
     target_prefill_reused_tokens: int = 0
+    drafter_prefill_reused_tokens: int = 0
+    drafter: str = ""  # what drafted: the drafter's label and backend, or "lookup"
     retrieval_seconds: float = 0.0
     target_prefill_seconds: float = 0.0
     drafter_prefill_seconds: float = 0.0

@@ -1,0 +1,178 @@
+"""Where a drafter's cache comes from: torch (any device) or llama.cpp (CPU, a GGUF file as it is).
+
+A backend makes the :class:`~rapidspec.drafting.drafter.Drafter` of each
+generation and keeps the cache of the last one when it closes, so the next
+prompt prefills only what differs from it: another question about the same
+document, the next turn of a chat (llama-server's slots do the same). Two
+generations running at once each get a cache of their own.
+
+``auto`` (the default) is llama.cpp when all of these hold, else torch: the
+target runs on the CPU, ``llama-cpp-python`` is installed, the drafter has a
+GGUF file (the target's own for self-speculation), and no torch-side
+quantization of the drafter was asked for. llama.cpp's vocabulary is checked
+against the target's token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from rapidspec.drafting.drafter import Drafter
+from rapidspec.errors import RapidspecError
+
+logger = logging.getLogger(__name__)
+
+DRAFTER_BACKENDS: tuple[str, ...] = ("auto", "torch", "llama.cpp")
+
+
+def common_prefix_length(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (``[1, 2, 3]``, ``[1, 2, 5]`` -> 2)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class DrafterPool:
+    """Makes drafters over caches of one kind and keeps the last closed cache for reuse."""
+
+    name = ""
+    label = ""
+    max_context = 0
+    logit_width = 0
+
+    def __init__(self) -> None:
+        self._idle = None
+
+    def _new_cache(self, tokens: int):
+        raise NotImplementedError
+
+    def _fits(self, cache, tokens: int) -> bool:
+        return True
+
+    def start(self, prompt_ids, room: int, vocab_size: int, target_device: torch.device) -> tuple[Drafter, int]:
+        """A drafter over ``prompt_ids`` whose cache holds ``prompt_ids[:-1]``, and how many of them were reused.
+
+        ``room``: tokens the answer may add (max new tokens and drafts).
+        """
+        wanted = list(prompt_ids[:-1])
+        cache, self._idle = self._idle, None
+        if cache is None or not self._fits(cache, len(prompt_ids) + room):
+            cache = self._new_cache(len(prompt_ids) + room)
+        reused = common_prefix_length(cache.token_ids, wanted)
+        cache.crop(reused)
+        cache.prefill(wanted[reused:])
+        return Drafter(cache, list(prompt_ids), vocab_size, target_device, on_close=self._keep), reused
+
+    def _keep(self, cache) -> None:
+        self._idle = cache
+
+    def clear(self) -> None:
+        """Forget the kept cache."""
+        self._idle = None
+
+
+class TorchDrafters(DrafterPool):
+    """Drafters over the runtime's torch caches of a loaded model (the target itself for self-speculation)."""
+
+    name = "torch"
+
+    def __init__(self, loaded, prefill_chunk_tokens: int, label: str) -> None:
+        from rapidspec.vocabulary import logit_width
+
+        super().__init__()
+        self.loaded = loaded
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.label = label
+        self.max_context = loaded.max_context
+        self.logit_width = logit_width(loaded.model)
+
+    def _new_cache(self, tokens: int):
+        from rapidspec.runtime import new_kv_cache
+
+        return new_kv_cache(self.loaded, self.prefill_chunk_tokens)
+
+
+class LlamaCppDrafters(DrafterPool):
+    """Drafters over llama.cpp contexts of one GGUF file."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: Path, threads: int, target_tokenizer, name: str) -> None:
+        from rapidspec.runtime.llama_cpp import LlamaCppModel
+
+        super().__init__()
+        try:
+            self.model = LlamaCppModel(gguf_path, threads=threads)
+        except ValueError as exc:
+            raise RapidspecError(f"cannot use {gguf_path} as a llama.cpp drafter: {exc}") from None
+        check_llama_vocabulary(target_tokenizer, self.model)
+        self.label = f"{name} (llama.cpp, {self.model.description})"
+        self.max_context = self.model.max_context
+        self.logit_width = self.model.vocab_size
+
+    def _new_cache(self, tokens: int):
+        return self.model.new_context(tokens)
+
+    def _fits(self, cache, tokens: int) -> bool:
+        return cache.capacity >= tokens
+
+
+def check_llama_vocabulary(target_tokenizer, model) -> None:
+    """Raise :class:`RapidspecError` unless the GGUF's tokens equal the target tokenizer's, id for id."""
+    count = len(target_tokenizer)
+    if model.vocab_size < count:
+        raise RapidspecError(
+            f"the llama.cpp drafter {model.path.name} has {model.vocab_size} tokens, the target's tokenizer "
+            f"{count}: use a drafter with the target's vocabulary"
+        )
+    target_tokens = target_tokenizer.convert_ids_to_tokens(list(range(count)))
+    for index, (ours, theirs) in enumerate(zip(target_tokens, model.token_texts(count))):
+        if ours != theirs:
+            raise RapidspecError(
+                f"the llama.cpp drafter {model.path.name}'s vocabulary differs from the target's at token {index} "
+                f"({theirs!r} against {ours!r}): use a drafter with the target's vocabulary"
+            )
+
+
+def gguf_file(drafter) -> Path | None:
+    """The GGUF file behind a drafter: a loaded model read from one, or a model name that resolves to one."""
+    if drafter is None:
+        return None
+    if isinstance(drafter, str):
+        from rapidspec.models import resolve_source
+
+        return resolve_source(drafter)[1]
+    source = getattr(drafter, "source", "")
+    return Path(source) if str(source).lower().endswith(".gguf") and Path(source).is_file() else None
+
+
+def choose_backend(requested: str, target, drafter) -> str:
+    """``torch`` or ``llama.cpp`` for ``requested`` (``auto`` resolved as the module docstring says).
+
+    ``drafter``: None (self-speculation), a loaded model, or a model name.
+    """
+    from rapidspec.runtime.llama_cpp import llama_cpp_available
+
+    if requested not in DRAFTER_BACKENDS:
+        raise RapidspecError(f"drafter_backend must be one of {', '.join(DRAFTER_BACKENDS)}, got {requested!r}")
+    source = target if drafter is None else drafter
+    gguf = gguf_file(source)
+    if requested == "torch":
+        return "torch"
+    quantized = getattr(source, "quantization", "none") != "none" and drafter is not None
+    if requested == "auto":
+        usable = target.device.type == "cpu" and gguf is not None and not quantized and llama_cpp_available()
+        return "llama.cpp" if usable else "torch"
+    if not llama_cpp_available():
+        raise RapidspecError("drafter backend 'llama.cpp' needs llama-cpp-python: run `make install` (it builds it)")
+    if gguf is None:
+        raise RapidspecError(f"drafter backend 'llama.cpp' reads GGUF files; {getattr(source, 'name', source)!r} is not one")
+    if quantized:
+        raise RapidspecError("drafter backend 'llama.cpp' uses the GGUF's own weights; drop the drafter quantization")
+    return "llama.cpp"

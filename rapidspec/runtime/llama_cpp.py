@@ -1,0 +1,184 @@
+"""A GGUF model on llama.cpp, behind the same key/value-cache protocol as the torch caches.
+
+Used where llama.cpp is the fastest engine for a job: the drafter on CPU (a
+drafter step is a few hundred small PyTorch calls, which llama.cpp does in
+one graph) and the ``llama.cpp`` peer of ``rapidspec bench``. Through
+``llama-cpp-python``'s low-level API only:
+
+* :class:`LlamaCppModel` loads a GGUF file as it is (no conversion) and
+  reads its vocabulary, so callers can check it against the target's.
+* :class:`LlamaCppContext` is one ``llama_context`` over one token sequence
+  (sequence 0) with ``forward``, ``prefill``, ``crop``, ``length``,
+  ``token_ids``, ``device``: the protocol of :mod:`rapidspec.runtime`.
+  Rollback is ``llama_memory_seq_rm`` (tens of microseconds; the logits that
+  follow are those of a fresh context over the kept tokens).
+
+Flash attention is off by default: on CPU it made a drafter step slower.
+Logits come back as float32 torch tensors on the CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Tokens per llama_decode call during prefill (llama.cpp's n_batch).
+BATCH_TOKENS = 512
+#: Contexts are sized in multiples of this many tokens.
+CONTEXT_QUANTUM = 1024
+
+
+def llama_cpp_available() -> bool:
+    """Whether ``llama-cpp-python`` can be imported (it is an optional, natively built dependency)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def _bindings():
+    import llama_cpp
+
+    quiet = logging.getLogger("llama-cpp-python")
+    if quiet.level == logging.NOTSET:  # llama-cpp-python prints every load line unless told otherwise
+        quiet.setLevel(logging.ERROR)
+    return llama_cpp
+
+
+class LlamaCppModel:
+    """The weights of one GGUF file on llama.cpp (CPU), shared by its contexts."""
+
+    def __init__(self, path: str | Path, threads: int = 2, flash_attention: bool = False) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        ll = _bindings()
+        self._ll = ll
+        self.path = Path(path)
+        self.threads = threads
+        self.flash_attention = flash_attention
+        ll.llama_backend_init()
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self._model = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {self.path}")
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self.vocab_size = int(ll.llama_vocab_n_tokens(self._vocab))
+        self.max_context = int(ll.llama_model_n_ctx_train(self._model))
+        self.description = ll.llama_model_desc_str(self._model) if hasattr(ll, "llama_model_desc_str") else self._desc()
+
+    def _desc(self) -> str:
+        buffer = ctypes.create_string_buffer(256)
+        self._ll.llama_model_desc(self._model, buffer, len(buffer))
+        return buffer.value.decode("utf-8", "replace")
+
+    def token_texts(self, count: int | None = None) -> list[str]:
+        """The text of the first ``count`` tokens of the vocabulary (all by default), as the GGUF stores it."""
+        n = self.vocab_size if count is None else min(count, self.vocab_size)
+        get = self._ll.llama_vocab_get_text
+        return [(get(self._vocab, i) or b"").decode("utf-8", "replace") for i in range(n)]
+
+    def new_context(self, n_ctx: int) -> LlamaCppContext:
+        """A context with room for ``n_ctx`` tokens (rounded up to :data:`CONTEXT_QUANTUM`, at most the training window)."""
+        return LlamaCppContext(self, n_ctx)
+
+    def __del__(self) -> None:
+        model = getattr(self, "_model", None)
+        if model:
+            self._ll.llama_model_free(model)
+            self._model = None
+
+
+class LlamaCppContext:
+    """One llama.cpp context over one token sequence; the only writer of its key/value memory."""
+
+    def __init__(self, model: LlamaCppModel, n_ctx: int) -> None:
+        ll = model._ll
+        self._ll = ll
+        self.model = model
+        capacity = -(-max(n_ctx, 1) // CONTEXT_QUANTUM) * CONTEXT_QUANTUM
+        if model.max_context > 0:
+            capacity = min(capacity, max(model.max_context, n_ctx))
+        params = ll.llama_context_default_params()
+        params.n_ctx = capacity
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_threads = params.n_threads_batch = model.threads
+        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if model.flash_attention else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.no_perf = True
+        self._ctx = ll.llama_init_from_model(model._model, params)
+        if not self._ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {capacity} tokens for {model.path}")
+        self.capacity = int(ll.llama_n_ctx(self._ctx))
+        self._memory = ll.llama_get_memory(self._ctx)
+        self._token_ids: list[int] = []
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def length(self) -> int:
+        """Number of tokens whose keys/values are held."""
+        return len(self._token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens held, in order (a copy)."""
+        return list(self._token_ids)
+
+    def forward(self, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
+        """Append ``token_ids`` and return float32 logits [1, V] after the last of them (``num_logits`` must be 1)."""
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        if num_logits != 1:
+            raise ValueError("a llama.cpp context returns the logits of the last token only")
+        if self.length + len(token_ids) > self.capacity:
+            raise ValueError(f"{self.length + len(token_ids)} tokens exceed the context's {self.capacity}")
+        ll = self._ll
+        for start in range(0, len(token_ids), BATCH_TOKENS):
+            part = [int(t) for t in token_ids[start : start + BATCH_TOKENS]]
+            array = (ll.llama_token * len(part))(*part)
+            status = ll.llama_decode(self._ctx, ll.llama_batch_get_one(array, len(part)))
+            if status != 0:
+                self.crop(self.length)  # keep memory and token list in step after a partial failure
+                raise RuntimeError(f"llama_decode failed with status {status}")
+            self._token_ids.extend(part)
+        pointer = ll.llama_get_logits_ith(self._ctx, -1)
+        logits = np.ctypeslib.as_array(pointer, shape=(self.model.vocab_size,))
+        return torch.from_numpy(logits.copy())[None]  # [1, V]
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """Append a long sequence (in batches of :data:`BATCH_TOKENS`); logits after it ([1, V]) or None."""
+        return self.forward(token_ids) if token_ids else None
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (rollback of rejected tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a context of {self.length} tokens to {length}")
+        self._ll.llama_memory_seq_rm(self._memory, 0, length, -1)
+        del self._token_ids[length:]
+
+    def clone(self) -> LlamaCppContext:
+        """A new context holding the same tokens (recomputed: llama.cpp contexts are not copied)."""
+        twin = LlamaCppContext(self.model, self.capacity)
+        twin.prefill(self._token_ids)
+        return twin
+
+    def memory_bytes(self) -> int:
+        """Bytes of the key/value memory llama.cpp reports for this context (0 if it does not say)."""
+        size = getattr(self._ll, "llama_state_get_size", None)
+        return int(size(self._ctx)) if size is not None else 0
+
+    def __del__(self) -> None:
+        ctx = getattr(self, "_ctx", None)
+        if ctx:
+            self._ll.llama_free(ctx)
+            self._ctx = None
