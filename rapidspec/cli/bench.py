@@ -28,7 +28,9 @@ def register(subparsers) -> None:
             "Runs every mode on the same inputs (the demo document at each --lengths, or --data records) "
             "and reports prefill times, decode tokens/s, acceptance, and decode and end-to-end speedups "
             "against lc measured in the same run; greedy outputs are compared with lc token for token. "
-            "hf-assisted is transformers' own assisted generation with the same drafter on the full prompt."
+            "hf-assisted is transformers' own assisted generation with the same drafter on the full prompt; "
+            "llama.cpp is plain greedy decoding of the target's GGUF file on llama.cpp (the CPU peer); "
+            "lookup drafts by n-gram match over the retrieved text and the answer (no drafter model)."
         ),
     )
     parser.add_argument("--lengths", default=None,

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import fields, replace
 
 from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
+from rapidspec.drafting.backends import DRAFTER_BACKENDS
 from rapidspec.errors import RapidspecError
 from rapidspec.models import RUNTIMES
 from rapidspec.quantization import QUANTIZATIONS
@@ -26,6 +27,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--drafter-quantize", default="none", choices=QUANTIZATIONS,
                        help="drafter weights: int8 or int4 make a CPU drafter step cheaper; with no --drafter, "
                             "a quantised copy of the target drafts (default: %(default)s)")
+    group.add_argument("--drafter-backend", default=_DEFAULT_DECODE.drafter_backend, choices=DRAFTER_BACKENDS,
+                       help="what runs the drafter: llama.cpp (CPU, reads the drafter's GGUF file as it is) or torch; "
+                            "auto picks llama.cpp on CPU when it is installed and the drafter has a GGUF file and no "
+                            "--drafter-quantize (default: %(default)s)")
+    group.add_argument("--drafter-threads", type=int, default=None,
+                       help="threads of the llama.cpp drafter (default: torch's thread count)")
     group.add_argument("--runtime", default="auto", choices=RUNTIMES,
                        help="forward of both models: the lean forward of llama/qwen2 models (auto where it exists, lean "
                             "to require it) or transformers' (default: %(default)s)")
@@ -34,7 +41,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> None:
     group = parser.add_argument_group("decoding")
     if modes:
-        group.add_argument("--mode", default=_DEFAULT_DECODE.mode, choices=MODES, help="lc, rag, sd, ragsd, rapid or magicdec (default: rapid)")
+        group.add_argument("--mode", default=_DEFAULT_DECODE.mode, choices=MODES, help="lc, rag, sd, ragsd, rapid, magicdec or lookup (default: rapid)")
     group.add_argument("--eta", type=float, default=None, help="retrieval-augmented target strength (rapid only; default 5)")
     group.add_argument("--gamma", type=int, default=_DEFAULT_DECODE.gamma, help="drafted tokens per round (default: %(default)s)")
     group.add_argument("--gamma-schedule", default=_DEFAULT_DECODE.gamma_schedule, choices=GAMMA_SCHEDULES,
@@ -93,7 +100,9 @@ def load_models(args: argparse.Namespace):
     runtime = getattr(args, "runtime", "auto")
     target = load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize, runtime=runtime)
     drafter = None
-    if args.drafter is not None:
+    if args.drafter is not None and _llama_cpp_drafter(args, target):
+        drafter = args.drafter  # read by llama.cpp as it is; loaded by torch only if a request asks for torch
+    elif args.drafter is not None:
         drafter = load_model(args.drafter, dtype=args.dtype, device=args.drafter_device or args.device,
                              quantize=args.drafter_quantize, runtime=runtime)
     elif args.drafter_quantize not in ("none", args.quantize):
@@ -107,6 +116,16 @@ def load_models(args: argparse.Namespace):
                 name="self",
             )
     return target, drafter
+
+
+def _llama_cpp_drafter(args: argparse.Namespace, target) -> bool:
+    """Whether the options' drafter runs on llama.cpp (then it need not be loaded by torch)."""
+    from rapidspec.drafting.backends import choose_backend
+
+    backend = getattr(args, "drafter_backend", "auto")
+    if args.drafter_quantize != "none":
+        return False
+    return choose_backend(backend, target, args.drafter) == "llama.cpp"
 
 
 def add_prefix_cache_option(parser: argparse.ArgumentParser) -> None:
@@ -126,4 +145,5 @@ def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):
         raise RapidspecError(f"--prefix-cache-gib must be >= 0, got {gib}")
     target, drafter = load_models(args)
     return Rapid(target, drafter, retrieval=retrieval_config(args), reuse_document_cache=reuse_document_cache,
-                 prefix_cache_gib=gib)
+                 prefix_cache_gib=gib, drafter_backend=getattr(args, "drafter_backend", "auto"),
+                 drafter_threads=getattr(args, "drafter_threads", None))

@@ -18,7 +18,9 @@ from rapidspec.errors import RapidspecError
 from rapidspec.prompts import PromptTemplate, prompt_ids
 
 HF_ASSISTED = "hf-assisted"
-BENCH_MODES: tuple[str, ...] = (*MODES, HF_ASSISTED)
+LLAMA_CPP = "llama.cpp"  # plain decoding of the target's GGUF on llama.cpp (rapidspec.evaluation.llama_peer)
+PEER_MODES = (HF_ASSISTED, LLAMA_CPP)  # run outside the engine, no DecodeConfig
+BENCH_MODES: tuple[str, ...] = (*MODES, *PEER_MODES)
 DEFAULT_MODES: tuple[str, ...] = ("lc", "sd", "ragsd", "rapid", HF_ASSISTED)
 MIN_LENGTH = 256
 SWEEP_PARAMS = {"eta": float, "gamma": int, "draft_confidence": float}
@@ -48,7 +50,7 @@ class Variant:
 
     label: str
     mode: str
-    config: DecodeConfig | None = None  # None for hf-assisted
+    config: DecodeConfig | None = None  # None for the peers (hf-assisted, llama.cpp)
     sweep_value: float | int | None = None
 
 
@@ -168,7 +170,7 @@ def variants(modes: Sequence[str], base: DecodeConfig, sweep: Sweep | None = Non
     for mode in modes:
         if mode == "lc":
             continue
-        if mode == HF_ASSISTED:
+        if mode in PEER_MODES:
             out.append(Variant(mode, mode))
         else:
             out.append(Variant(mode, mode, base.with_(mode=mode, eta=base.eta if mode == "rapid" else None)))

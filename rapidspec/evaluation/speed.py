@@ -22,6 +22,9 @@ Contract:
   tokens. The assistant's own prefill of the full prompt therefore falls in
   decode time: that is where transformers pays it. Acceptance counters are
   not exposed by transformers and are reported as missing.
+* ``llama.cpp`` is plain greedy decoding of the target's GGUF file on
+  llama.cpp (:mod:`rapidspec.evaluation.llama_peer`), the peer a CPU user
+  would pick, on the same prompt tokens as ``lc``.
 
 Pure library: no printing; progress goes to an optional callback.
 """
@@ -31,17 +34,17 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 
 from rapidspec.config import MODES, TARGET_READS_RETRIEVED, USES_DRAFTER, DecodeConfig
 from rapidspec.errors import RapidspecError
-from rapidspec.prompts import prompt_ids
+from rapidspec.evaluation.bench_results import BenchReport, Measurement, Result
 from rapidspec.evaluation.memory import GIB, PeakMemory
-
+from rapidspec.prompts import prompt_ids
 from rapidspec.evaluation.bench_inputs import (  # noqa: F401  (re-exported)
     HF_ASSISTED,
+    LLAMA_CPP,
     BENCH_MODES,
     DEFAULT_MODES,
     MIN_LENGTH,
@@ -57,114 +60,6 @@ from rapidspec.evaluation.bench_inputs import (  # noqa: F401  (re-exported)
     demo_items,
     variants,
 )
-
-
-
-
-@dataclass
-class Measurement:
-    """One timed generation of one variant (engine stats or the hf-assisted equivalents)."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    prompt_tokens_target: int
-    prompt_tokens_drafter: int
-    retrieval_seconds: float
-    target_prefill_seconds: float
-    drafter_prefill_seconds: float | None
-    decode_seconds: float
-    total_seconds: float
-    new_tokens: int
-    decode_tokens_per_second: float | None
-    rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    acceptance_rate: float | None = None
-    mean_accepted_length: float | None = None
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    accept_seconds: float = 0.0
-    bookkeeping_seconds: float = 0.0
-    peak_rss_bytes: int = 0
-    peak_cuda_bytes: int | None = None
-
-
-@dataclass
-class Result:
-    """One variant at one input: medians over the repeats, and comparisons with ``lc``."""
-
-    label: str
-    mode: str
-    length: int  # requested prompt length (0 for --data records)
-    item_index: int
-    repeats: int
-    prompt_tokens_target: int
-    prompt_tokens_drafter: int
-    new_tokens: int
-    retrieval_seconds: float
-    target_prefill_seconds: float
-    drafter_prefill_seconds: float | None
-    decode_seconds: float
-    total_seconds: float
-    decode_tokens_per_second: float | None
-    rounds: int
-    acceptance_rate: float | None
-    mean_accepted_length: float | None
-    eta: float | None = None
-    gamma: int | None = None
-    sweep_value: float | int | None = None
-    decode_speedup: float | None = None
-    end_to_end_speedup: float | None = None
-    equals_lc: bool | None = None
-    # highest over the repeats: resident memory of the whole process, and CUDA allocations
-    peak_rss_gib: float = 0.0
-    peak_cuda_gib: float | None = None
-    # --profile: medians of the decode split, in total and per round
-    profile: dict[str, float] | None = None
-    text: str = ""
-    token_ids: tuple[int, ...] = field(default=(), repr=False)
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("token_ids")
-        return out
-
-
-@dataclass
-class BenchReport:
-    """Everything ``rapidspec bench`` measured."""
-
-    model: str
-    drafter: str
-    device: str
-    dtype: str
-    repeats: int
-    max_new_tokens: int
-    ignore_eos: bool
-    shared_prefill: bool
-    gamma: int
-    eta: float
-    sweep: Sweep | None
-    results: list[Result]
-    draft_confidence: float = 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "drafter": self.drafter,
-            "device": self.device,
-            "dtype": self.dtype,
-            "repeats": self.repeats,
-            "max_new_tokens": self.max_new_tokens,
-            "ignore_eos": self.ignore_eos,
-            "shared_prefill": self.shared_prefill,
-            "gamma": self.gamma,
-            "eta": self.eta,
-            "draft_confidence": self.draft_confidence,
-            "sweep": asdict(self.sweep) if self.sweep else None,
-            "results": [r.to_dict() for r in self.results],
-        }
-
 
 # ------------------------------------------------------------------ running
 
@@ -272,12 +167,22 @@ def _hf_measurement(engine, item: BenchItem, config: DecodeConfig) -> Measuremen
     )
 
 
-def measure(engine, item: BenchItem, variant: Variant, base: DecodeConfig, profile: bool = False) -> Measurement:
-    """One timed generation of ``variant`` on ``item``, with the peak memory it reached."""
-    devices = {engine.target.model.device, engine.drafter.model.device}
+def measure(
+    engine, item: BenchItem, variant: Variant, base: DecodeConfig, profile: bool = False, peer=None,
+    reuse_prefill: bool = False,
+) -> Measurement:
+    """One timed generation of ``variant`` on ``item``, with the peak memory it reached.
+
+    ``peer``: the :class:`~rapidspec.evaluation.llama_peer.LlamaCppPeer` that runs mode ``llama.cpp``.
+    """
+    devices = {engine.target.model.device}
+    if variant.mode == HF_ASSISTED:
+        devices.add(engine.drafter.model.device)
     with PeakMemory(devices) as peak:
         if variant.mode == HF_ASSISTED:
             result = _hf_measurement(engine, item, base)
+        elif variant.mode == LLAMA_CPP:
+            result = peer.measure(engine, item, base, reuse_prefill)
         else:
             result = _engine_measurement(engine, item, variant.config, profile)
     result.peak_rss_bytes = peak.peak_rss_bytes
@@ -376,6 +281,11 @@ def run_benchmark(
     base = base or DecodeConfig(max_new_tokens=64)
     columns = variants(modes, base, sweep)
     note = progress or (lambda message: None)
+    peer = None
+    if any(v.mode == LLAMA_CPP for v in columns):
+        from rapidspec.evaluation.llama_peer import LlamaCppPeer
+
+        peer = LlamaCppPeer(engine, engine.drafter_threads)
 
     if warmup:
         short = BenchItem(items[0].document[:WARMUP_CHARS], items[0].question)
@@ -383,7 +293,7 @@ def run_benchmark(
         for variant in columns:
             note(f"warm-up {variant.label}")
             config = variant.config.with_(max_new_tokens=warm_base.max_new_tokens) if variant.config else None
-            measure(engine, short, Variant(variant.label, variant.mode, config), warm_base)
+            measure(engine, short, Variant(variant.label, variant.mode, config), warm_base, peer=peer)
 
     results: list[Result] = []
     for index, item in enumerate(items):
@@ -394,7 +304,7 @@ def run_benchmark(
             for variant in columns:
                 where = f"length {item.length}" if item.length else f"record {index + 1}"
                 note(f"{where}, repeat {repeat + 1}/{repeats}: {variant.label}")
-                run = measure(engine, item, variant, base, profile)
+                run = measure(engine, item, variant, base, profile, peer=peer, reuse_prefill=share_prefill)
                 if share_prefill and variant.mode in FULL_CONTEXT_MODES:
                     if shared_prefill_seconds is None:  # the first lc run: a full prefill
                         shared_prefill_seconds = run.target_prefill_seconds
@@ -406,7 +316,7 @@ def run_benchmark(
     compare_with_lc(results)
     return BenchReport(
         model=engine.target.name,
-        drafter="self" if engine.drafter is engine.target else engine.drafter.label,
+        drafter=engine.drafter_label,
         device=str(engine.target.model.device),
         dtype=str(engine.target.model.dtype).removeprefix("torch."),
         repeats=repeats,

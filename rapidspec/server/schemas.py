@@ -53,7 +53,7 @@ class GenerationRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=0, le=0)
     logprobs: Literal[False] | None = None
     # RAPID (DecodeConfig)
-    mode: Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec"] | None = None
+    mode: Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"] | None = None
     eta: float | None = Field(default=None, ge=0)
     gamma: int | None = Field(default=None, ge=1)
     gamma_schedule: Literal["constant", "heuristic", "cost"] | None = None
@@ -66,6 +66,7 @@ class GenerationRequest(BaseModel):
     truncate: Literal["middle", "error"] | None = None
     sink_tokens: int | None = Field(default=None, ge=0)
     streaming_tokens: int | None = Field(default=None, ge=1)
+    drafter_backend: Literal["auto", "torch", "llama.cpp"] | None = None
     # where the drafter's context comes from (RetrievalConfig and the conversation)
     documents: list[str | dict[str, Any]] | None = None
     query: str | None = None
