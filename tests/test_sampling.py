@@ -119,3 +119,36 @@ def test_top_probability_is_the_softmax_maximum():
     assert sampling.top_probability(logits) == pytest.approx(float(logits.softmax(-1).max()), rel=1e-6)
     assert sampling.top_probability(torch.tensor([0.0, -torch.inf])) == pytest.approx(1.0)
     assert sampling.top_probability(torch.zeros(4, dtype=torch.bfloat16)) == pytest.approx(0.25)
+
+
+def test_verify_greedy_worked_example():
+    """The docstring's example: drafts [5, 7, 9], target argmax [5, 7, 2, 4] -> 2 accepted, recovered 2."""
+    logits = torch.full((4, 10), -5.0)
+    for row, token in enumerate([5, 7, 2, 4]):
+        logits[row, token] = 5.0
+    verdict = sampling.verify(logits, [5, 7, 9], None, eta=0.0, alpha=0.1, temperature=0.0)
+    assert (verdict.accepted, verdict.next_token, verdict.used_bonus_row) == (2, 2, False)
+    everything = sampling.verify(logits, [5, 7, 2], None, eta=0.0, alpha=0.1, temperature=0.0)
+    assert (everything.accepted, everything.next_token) == (3, 4)  # the bonus token
+
+
+def test_verify_asks_for_the_bonus_row_only_when_all_drafts_pass_and_eta_is_positive():
+    logits = torch.zeros(3, 6)
+    logits[:, 1] = 3.0  # the target wants token 1 everywhere
+    rows = torch.zeros(2, 6)
+    rows[:, 1] = 3.0
+    calls = []
+
+    def bonus():
+        calls.append(1)
+        row = torch.zeros(6)
+        row[4] = 50.0  # a drafter sure of token 4 at the bonus position
+        return row
+
+    rejected = sampling.verify(logits, [1, 2], rows, eta=5.0, alpha=0.1, temperature=0.0, bonus_row=bonus)
+    assert rejected.accepted == 1 and not calls and not rejected.used_bonus_row
+    accepted = sampling.verify(logits, [1, 1], rows, eta=5.0, alpha=0.1, temperature=0.0, bonus_row=bonus)
+    assert accepted.accepted == 2 and calls == [1] and accepted.used_bonus_row
+    assert accepted.next_token == 4  # argmax(z + eta * g) with q at the bonus position
+    plain = sampling.verify(logits[:1], [], None, eta=0.0, alpha=0.1, temperature=0.0, bonus_row=bonus)
+    assert (plain.accepted, plain.next_token) == (0, 1) and calls == [1]  # k = 0: a plain step

@@ -1,0 +1,173 @@
+"""The llama.cpp drafter backend keeps every invariant (DESIGN.md section 1), on a tiny GGUF the tests write.
+
+The target is the tiny torch model of conftest; the drafter is llama.cpp over
+a GGUF of the same weights (self-speculation) or of other weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from rapidspec import DecodeConfig, Rapid
+from rapidspec.drafting.backends import choose_backend
+from rapidspec.errors import RapidspecError
+from rapidspec.outputs import last_output
+from rapidspec.prompts import PromptPair
+from rapidspec.retrieval import RetrievalConfig
+from rapidspec.runtime.llama_cpp import LlamaCppModel, llama_cpp_available
+from tests.tiny_gguf import write_tiny_gguf
+
+if not llama_cpp_available() and torch.cuda.is_available():  # CUDA machines skip the llama.cpp build
+    pytest.skip("llama-cpp-python is not built on CUDA machines", allow_module_level=True)
+
+DOCUMENT = "\n\n".join(f"Paragraph {i}: the river town kept {i} boats and a lighthouse painted shade {i % 7}." for i in range(40))
+QUESTION = "How many boats did the river town keep in paragraph 17?"
+RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=300)
+
+
+@pytest.fixture(scope="module")
+def ggufs(tiny_model, other_tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    return {"self": str(write_tiny_gguf(tiny_model, folder / "self.gguf")),
+            "random": str(write_tiny_gguf(other_tiny_model, folder / "other.gguf"))}
+
+
+def llama_engine(target, gguf: str, **options) -> Rapid:
+    return Rapid(target, gguf, retrieval=RETRIEVAL, drafter_backend="llama.cpp", **options)
+
+
+def test_the_drafter_runs_on_llama_cpp(tiny_model, ggufs):
+    engine = llama_engine(tiny_model, ggufs["self"])
+    assert engine.drafter_backend == "llama.cpp"
+    assert "llama.cpp" in engine.drafter_label
+    out = engine.generate(DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=12)
+    assert "llama.cpp" in out.stats.drafter and out.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["sd", "ragsd", "rapid", "magicdec"])
+@pytest.mark.parametrize("drafter_kind", ["self", "random"])
+def test_greedy_eta_zero_equals_lc(tiny_model, ggufs, mode, drafter_kind):
+    """Invariant 1 with q from llama.cpp: eta = 0 greedy reproduces target-only greedy."""
+    lc = Rapid(tiny_model, retrieval=RETRIEVAL).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
+    out = llama_engine(tiny_model, ggufs[drafter_kind]).generate(
+        DOCUMENT, QUESTION, mode=mode, eta=0.0, gamma=4, max_new_tokens=40
+    )
+    assert out.token_ids == lc.token_ids and out.text == lc.text
+    assert out.stats.drafted_tokens > 0
+    if drafter_kind == "self" and mode == "sd":
+        assert out.stats.acceptance_rate > 0.9  # the same weights in float32: rounding may flip a near tie
+    if drafter_kind == "random":
+        assert out.stats.acceptance_rate < 0.5
+
+
+def augmented(p: np.ndarray, q: np.ndarray, eta: float, alpha: float) -> np.ndarray:
+    """p^ = softmax(log p + eta * 1[q >= alpha max q] * (q - p)), written independently of the library."""
+    logits = np.log(p) + eta * np.where(q >= alpha * q.max(), q - p, 0.0)
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("eta", [0.0, 2.0])
+def test_first_tokens_follow_the_target_with_llama_cpp_q(tiny_model, ggufs, eta):
+    """Invariants 2 and 3 with q from llama.cpp: the first token follows p (eta = 0) or p^ (eta > 0).
+
+    4000 answers of 2 tokens, one draft per round (acceptance and the exact
+    residual both occur: the drafter has other weights). At T = 0.05 the tiny
+    models' logits give peaked, different p and q. Chi-square over the tokens
+    whose expected count is at least 5 plus one bin for the rest; with a
+    correct engine each case fails with probability 1e-4.
+    """
+    temperature, alpha, n = 0.05, 0.1, 4000
+    engine = llama_engine(tiny_model, ggufs["random"], reuse_document_cache=False)
+    prompt = tuple(tiny_model.tokenizer("The lighthouse keeper wrote:")["input_ids"])
+    prompts = PromptPair(prompt, prompt)
+    config = DecodeConfig(mode="rapid" if eta else "ragsd", eta=eta, gamma=1, temperature=temperature,
+                          max_new_tokens=2, draft_gate=alpha, ignore_eos=True)
+    with torch.inference_mode():
+        p = (tiny_model.model(torch.tensor([prompt])).logits[0, -1].float() / temperature).softmax(-1).double().numpy()
+    context = LlamaCppModel(ggufs["random"]).new_context(64)
+    q = (context.prefill(list(prompt))[0] / temperature).softmax(-1).double().numpy()
+    expected = augmented(p, q, eta, alpha) * n
+    generator = torch.Generator().manual_seed(5)
+    counts = np.zeros_like(expected)
+    rejected = 0
+    for _ in range(n):
+        out = last_output(engine.decode(prompts, config, generator=generator))
+        counts[out.token_ids[0]] += 1
+        rejected += out.stats.accepted_tokens < out.stats.drafted_tokens
+    assert rejected > 100  # the residual was exercised
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    wanted = np.append(expected[big], expected[~big].sum())
+    assert chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue > 1e-4
+
+
+def test_both_caches_hold_exactly_the_committed_tokens(tiny_model, ggufs):
+    """Invariant 5: after every round the llama.cpp context's next logits equal a fresh context's."""
+    fresh_model = LlamaCppModel(ggufs["random"])
+    checked = []
+
+    def observer(target_cache, target_seq, drafter_cache, drafter_seq):
+        assert target_cache.token_ids == target_seq[: target_cache.length]
+        assert drafter_cache.token_ids == drafter_seq[: drafter_cache.length]
+        assert 1 <= len(drafter_seq) - drafter_cache.length <= 2
+        held = drafter_cache.length
+        live = drafter_cache.forward(drafter_seq[held:])[0]
+        drafter_cache.crop(held)  # put it back as it was
+        fresh = fresh_model.new_context(len(drafter_seq) + 8).prefill(drafter_seq)[0]
+        torch.testing.assert_close(live, fresh, atol=1e-4, rtol=1e-4)
+        checked.append(len(target_seq))
+
+    out = llama_engine(tiny_model, ggufs["random"]).generate(
+        DOCUMENT, QUESTION, mode="rapid", eta=2.0, gamma=3, temperature=1.0, seed=3, max_new_tokens=30,
+        observer=observer,
+    )
+    assert len(checked) == out.stats.rounds >= 5
+
+
+def test_the_drafter_cache_is_kept_across_questions(tiny_model, ggufs):
+    """A second question about the same document prefills only what its drafter prompt does not share."""
+    engine = llama_engine(tiny_model, ggufs["self"])
+    first = engine.generate(DOCUMENT, QUESTION, mode="sd", gamma=4, max_new_tokens=8)
+    again = engine.generate(DOCUMENT, "What shade was the lighthouse of paragraph 3?", mode="sd", gamma=4, max_new_tokens=8)
+    assert first.stats.drafter_prefill_reused_tokens == 0
+    assert again.stats.drafter_prefill_reused_tokens > 1000  # the whole document is shared
+    fresh = llama_engine(tiny_model, ggufs["self"]).generate(
+        DOCUMENT, "What shade was the lighthouse of paragraph 3?", mode="sd", gamma=4, max_new_tokens=8
+    )
+    assert again.token_ids == fresh.token_ids
+
+
+def test_a_different_vocabulary_is_refused_in_one_line(tiny_model, tmp_path):
+    tokens = tiny_model.tokenizer.convert_ids_to_tokens(list(range(len(tiny_model.tokenizer))))
+    tokens[10], tokens[11] = tokens[11], tokens[10]
+    path = write_tiny_gguf(tiny_model, tmp_path / "swapped.gguf", tokens=tokens)
+    with pytest.raises(RapidspecError, match="vocabulary differs from the target's at token 10"):
+        llama_engine(tiny_model, str(path))
+
+
+def test_auto_picks_llama_cpp_for_a_gguf_drafter_on_cpu(tiny_model, ggufs):
+    assert choose_backend("auto", tiny_model, ggufs["self"]) == "llama.cpp"
+    assert choose_backend("auto", tiny_model, None) == "torch"  # the tiny target has no GGUF file
+    assert choose_backend("torch", tiny_model, ggufs["self"]) == "torch"
+    with pytest.raises(RapidspecError, match="reads GGUF files"):
+        choose_backend("llama.cpp", tiny_model, None)
+    with pytest.raises(RapidspecError, match="drafter_backend must be one of"):
+        choose_backend("vllm", tiny_model, None)
+
+
+def test_a_request_may_ask_for_the_other_backend(tiny_model, other_tiny_model, ggufs):
+    """A drafter loaded by torch from a GGUF file: llama.cpp reads the same file; each request may pick."""
+    drafter = replace(other_tiny_model, source=ggufs["random"])
+    engine = Rapid(tiny_model, drafter, retrieval=RETRIEVAL)  # auto
+    assert engine.drafter_backend == "llama.cpp"
+    on_llama = engine.generate(DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=16)
+    on_torch = engine.generate(DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=16, drafter_backend="torch")
+    assert "llama.cpp" in on_llama.stats.drafter and "llama.cpp" not in on_torch.stats.drafter
+    assert on_llama.token_ids == on_torch.token_ids  # greedy, eta = 0: both equal lc
+    assert on_llama.stats.accepted_per_position == on_torch.stats.accepted_per_position  # same weights, same drafts
