@@ -167,6 +167,11 @@ class Retriever:
             self._embedder = load_embedder(self.config.embedding_model, self.config.device)
         return self._embedder
 
+    def warm_up(self) -> None:
+        """Load the embedder now when the method may use it, so a first query's time is retrieval alone."""
+        if self.config.method in ("dense", "hybrid", "auto"):
+            self.embedder  # noqa: B018  (loads it)
+
     @property
     def loaded_embedder(self) -> Any:
         """The sentence-transformers model if it is loaded already, else None (never loads it)."""
