@@ -1,6 +1,6 @@
 """Turn-by-turn target prefill of a long conversation, with and without the prefix cache.
 
-    python benchmarks/chat_prefill.py ../shared/data/locomo/locomo_dev.json --conversation 0 \
+    python benchmarks/chat_prefill.py $DATA/locomo/locomo_dev.json --conversation 0 \
         --mode rapid --drafter-quantize int8 --max-new-tokens 24
 
 A LoCoMo conversation is replayed as a chat: at turn t the history holds its

@@ -1,13 +1,13 @@
 """How often greedy speculative decoding with eta = 0 differs from ``lc``, per dtype.
 
 In exact arithmetic greedy ``sd``/``ragsd``/``rapid`` with eta = 0 emit exactly
-``lc``'s tokens (DESIGN.md invariant 1). On real hardware the target scores a
+``lc``'s tokens (the engine's first invariant). On real hardware the target scores a
 drafted token inside a k-token verification forward, while ``lc`` scores it in
 a 1-token step; the two kernels round differently, and where two logits are
 nearly tied the argmax can flip. This script measures how often that happens
 on real questions:
 
-    python benchmarks/greedy_divergence.py --data ../shared/data/leval/tpo.jsonl --limit 30 \
+    python benchmarks/greedy_divergence.py --data $DATA/leval/tpo.jsonl --limit 30 \
         --dtypes float32,bfloat16 --modes ragsd --max-new-tokens 48
 
 For each dtype it loads the model, answers every question with ``lc`` and

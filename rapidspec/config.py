@@ -57,7 +57,7 @@ class DecodeConfig:
       gave a probability below this (q at temperature 1 when greedy, else the
       filtered q it was sampled from); 0 = always draft ``gamma`` tokens. The
       paper's code stops at 0.1 (transformers' ``assistant_confidence_threshold``).
-    * ``temperature``: 0 is greedy (DESIGN.md section 1), > 0 samples.
+    * ``temperature``: 0 is greedy, > 0 samples.
     * ``top_k`` (0 = off), ``top_p`` in (0, 1]: filters applied to both the
       target and the drafter logits before the temperature softmax.
     * ``draft_gate``: alpha of the gate ``q >= alpha * max(q)``.

@@ -161,7 +161,7 @@ def document_prompts(
     query: str | None = None,
     corpus: str | None = None,
 ) -> PromptPair:
-    """The prompts of a (document, question) pair for ``config.mode`` (DESIGN.md section 2).
+    """The prompts of a (document, question) pair for ``config.mode``.
 
     ``corpus``: the text retrieval reads instead of ``document`` (an unrelated
     document, for robustness studies); the target still reads ``document``.

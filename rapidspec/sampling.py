@@ -1,4 +1,4 @@
-"""The math of one verification step (DESIGN.md section 1), as pure tensor functions.
+"""The math of one verification step, as pure tensor functions.
 
 No model, no cache, no state. For one step with vocabulary V and temperature T > 0::
 
@@ -14,7 +14,7 @@ first rejection the replacement token is drawn from a residual:
 * ``"exact"``: norm(max(0, p^ - q)); every emitted token then follows p^
   exactly (p when eta = 0).
 * ``"paper"``: norm(max(0, p - p^, p - q)), Eq. 10 of the paper; it follows
-  neither p nor p^ in general (PAPER_NOTES.md section 1.5).
+  neither p nor p^ in general (the paper's Eq. 10; see ``output_distribution_paper``).
 
 Greedy (T = 0): drafts are argmax q; the target's choice is argmax(z + eta * g)
 with p and q taken at temperature 1; the longest matching prefix is kept.
@@ -184,7 +184,7 @@ def greedy_target_choices(
 def output_distribution_paper(
     target_probs: torch.Tensor, draft_probs: torch.Tensor, augmented_probs: torch.Tensor
 ) -> torch.Tensor:
-    """Closed form of the per-position output of the ``paper`` residual (PAPER_NOTES 1.5).
+    """Closed form of the per-position output of the ``paper`` residual.
 
     P(x) = m(x) + (1 - beta) * r(x),  m = min(q, p^), beta = sum m,
     r = norm(max(0, p - p^, p - q)). Used by tests and analysis.

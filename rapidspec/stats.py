@@ -1,4 +1,4 @@
-"""What every generation reports (DESIGN.md section 5).
+"""What every generation reports.
 
 Counting follows vLLM's ``SpecDecodingStats``: a *round* drafts some tokens,
 the target verifies them in one forward pass, ``accepted`` of them are kept and

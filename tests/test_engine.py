@@ -1,4 +1,4 @@
-"""The engine's invariants (DESIGN.md section 1) on tiny models built from configs."""
+"""The engine's invariants on tiny models built from configs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The llama.cpp drafter backend keeps every invariant (DESIGN.md section 1), on a tiny GGUF the tests write.
+"""The llama.cpp drafter backend keeps every invariant, on a tiny GGUF the tests write.
 
 The target is the tiny torch model of conftest; the drafter is llama.cpp over
 a GGUF of the same weights (self-speculation) or of other weights.

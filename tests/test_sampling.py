@@ -1,4 +1,4 @@
-"""The pure math of DESIGN.md section 1 (invariants 3 and 4 at the level of one step)."""
+"""The pure math of one verification step (invariants 3 and 4 at the level of one step)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from scipy.stats import chisquare
 
 from rapidspec import sampling
 
-# PAPER_NOTES.md section 1.5: a worked example of the paper's residual.
+# A worked example of the paper's residual.
 P = torch.tensor([[0.156, 0.318, 0.152, 0.013, 0.361]])
 Q = torch.tensor([[0.242, 0.055, 0.296, 0.214, 0.193]])
 

@@ -2,7 +2,7 @@
 
 Every other part of rapidspec (config validation, prompts, conversations,
 the engine, benchmarks) asks this table instead of keeping a set of its own
-(DESIGN.md section 2)::
+::
 
     mode      target reads   drafter reads  drafter kind  eta > 0
     lc        full           -              -             no

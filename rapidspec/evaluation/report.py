@@ -5,7 +5,7 @@ and n, each run against ``lc`` (score difference, decode speedup as the median
 over items of the run's decode tokens/s over lc's on the same item), rapid
 against the better reference max(lc, rag), the η sweep beside the paper's
 Table 3, the retrieval-length sweep (Figure 3), and who got which item right
-(Figure 2). The paper's numbers (``shared/PAPER_NOTES.md``) are for
+(Figure 2). The paper's numbers are for
 LLaMA-3.1-8B on LongBench v2 and InfiniteBench; ours are small models on other
 data, so the *direction* of each effect compares, not the values.
 """

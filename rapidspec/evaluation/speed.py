@@ -1,4 +1,4 @@
-"""Speed harness behind ``rapidspec bench`` (DESIGN.md sections 5 and 6).
+"""Speed harness behind ``rapidspec bench``.
 
 Contract:
 

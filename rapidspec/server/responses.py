@@ -1,7 +1,7 @@
 """OpenAI-format bodies: completions, stream chunks, usage and errors.
 
 Every response and the last stream chunk carry the generation's statistics
-(DESIGN.md section 5) in one extra field, ``rapidspec``: mode, timings,
+ in one extra field, ``rapidspec``: mode, timings,
 acceptance, mean accepted length, prefill reuse, retrieved chunks with their
 spans and, for conversations, the retrieved turns.
 """
