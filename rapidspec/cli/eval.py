@@ -16,11 +16,12 @@ from rich.console import Console
 from rich.table import Table
 
 from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_models, retrieval_config
-from rapidspec.config import DecodeConfig
+from rapidspec.config import MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown
 from rapidspec.evaluation.datasets import FORMATS, load_items
-from rapidspec.evaluation.runner import DEFAULT_MODES, parse_modes, run_eval
+from rapidspec.evaluation.bench_inputs import parse_modes
+from rapidspec.evaluation.runner import DEFAULT_MODES, run_eval
 from rapidspec.evaluation.synthetic import TASKS
 from rapidspec.evaluation.variants import parse_eval_sweep
 
@@ -76,7 +77,7 @@ def _int_list(text: str, name: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     # Validate everything that does not need the model before loading it.
-    modes = parse_modes(args.modes)
+    modes = parse_modes(args.modes, allowed=MODES, lc_first=False)
     sweep = parse_eval_sweep(args.sweep) if args.sweep else None
     if args.retrieve_from not in (None, "other-item") and not os.path.isfile(args.retrieve_from):
         raise RapidspecError(f"--retrieve-from takes other-item or a file; {args.retrieve_from} is not a file")

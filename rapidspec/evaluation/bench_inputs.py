@@ -54,15 +54,21 @@ class Variant:
     sweep_value: float | int | None = None
 
 
-def parse_modes(text: str | Sequence[str]) -> tuple[str, ...]:
-    """``"lc,sd,rapid"`` -> ("lc", "sd", "rapid"); ``lc`` is put first (speedups need it)."""
+def parse_modes(text: str | Sequence[str], allowed: Sequence[str] = BENCH_MODES, lc_first: bool = True) -> tuple[str, ...]:
+    """``"lc,sd,rapid"`` -> ("lc", "sd", "rapid"), repeats dropped, each in ``allowed``.
+
+    ``lc_first`` puts ``lc`` first, adding it when missing (``bench``: speedups
+    need it); ``eval`` keeps the order given.
+    """
     names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
     if not names:
         raise RapidspecError("no modes given")
     for name in names:
-        if name not in BENCH_MODES:
-            raise RapidspecError(f"unknown mode {name!r}; choose from {', '.join(BENCH_MODES)}")
-    ordered = ["lc"] + [m for m in dict.fromkeys(names) if m != "lc"]
+        if name not in allowed:
+            raise RapidspecError(f"unknown mode {name!r}; choose from {', '.join(allowed)}")
+    ordered = list(dict.fromkeys(names))
+    if lc_first:
+        ordered = ["lc"] + [m for m in ordered if m != "lc"]
     return tuple(ordered)
 
 

@@ -13,6 +13,8 @@ lost against the target. An answer counts as right when its score is at least
 
 from __future__ import annotations
 
+import re
+import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -89,3 +91,23 @@ def breakdown(records: Sequence[dict]) -> list[BreakdownRow]:
         if sum(items.values()):
             rows.append(BreakdownRow(group, mode, eta, gamma, sweep, items, right))
     return rows
+
+
+_LENGTH = re.compile(r"@(\d+)$")
+
+
+def speedups(records: Sequence[dict]) -> dict[tuple, float]:
+    """Run key (group, mode, eta, gamma, sweep) -> median over items of decode tok/s over lc's on the same item."""
+    lc = {r["id"]: r["stats"].get("decode_tokens_per_second") for r in records if r["mode"] == "lc"}
+    ratios = defaultdict(list)
+    for r in records:
+        own, base = r["stats"].get("decode_tokens_per_second"), lc.get(r["id"])
+        if own and base:
+            ratios[(r["group"], r["mode"], r["eta"], r["gamma"], r.get("sweep"))].append(own / base)
+    return {key: statistics.median(values) for key, values in ratios.items()}
+
+
+def group_length(group: str) -> int | None:
+    """The prompt length of a synthetic task group (``synthetic/niah_single@4096`` -> 4096), else None."""
+    match = _LENGTH.search(group)
+    return int(match.group(1)) if match else None

@@ -31,44 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rapidspec.errors import RapidspecError
+from rapidspec.evaluation.items import TASK_TYPES, EvalItem  # noqa: F401  (public here too)
+from rapidspec.evaluation.synthetic import synthetic_items
 from rapidspec.prompts import PromptTemplate
 
 FORMATS = ("longbench2", "leval", "locomo", "locomo-chat", "synthetic")
-TASK_TYPES = ("mc", "qa", "summary", "needle")
-
-
-@dataclass(frozen=True)
-class EvalItem:
-    """One question about one document, ready for :meth:`rapidspec.Rapid.generate`.
-
-    ``question`` is what fills the template's ``{question}`` (for LongBench v2
-    it includes the choices, as the official prompt does); ``query`` is what
-    retrieval searches for; ``answers`` are the gold answers (the option
-    letter(s) for ``mc``); ``group`` names the task for the summary
-    (``longbench2``, ``leval/quality``, ``synthetic/niah_single@4096``).
-    """
-
-    id: str
-    document: str
-    question: str
-    query: str
-    answers: tuple[str, ...]
-    task_type: str
-    template: PromptTemplate
-    group: str
-    choices: tuple[str, ...] = ()
-    meta: dict = field(default_factory=dict, compare=False)
-    #: Chat form: the conversation so far, ending with the question as the last user turn
-    #: (answered with :meth:`rapidspec.Rapid.chat`; ``document`` is then the transcript, for reference).
-    messages: tuple[dict, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.task_type not in TASK_TYPES:
-            raise RapidspecError(f"unknown task type {self.task_type!r}")
-
-    @property
-    def answer(self) -> str:
-        return self.answers[0]
 
 
 # ------------------------------------------------------------------ LongBench v2
@@ -319,8 +286,6 @@ def load_items(
     if format is not None and format not in FORMATS:
         raise RapidspecError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     if format == "synthetic" or (path is None and format is None):
-        from rapidspec.evaluation.synthetic import synthetic_items
-
         return synthetic_items(**(synthetic_options or {}))
     if path is None:
         raise RapidspecError(f"--data is required for format {format}")
@@ -331,8 +296,6 @@ def load_items(
     detected = format or detect_format(content)
     chat = detected == "locomo-chat"
     if detected == "synthetic":
-        from rapidspec.evaluation.synthetic import synthetic_items
-
         return synthetic_items(**{**content.get("options", {}), **(synthetic_options or {})})
     if not isinstance(content, list):
         raise RapidspecError(f"{path}: expected a list of {detected} records")

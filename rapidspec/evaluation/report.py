@@ -12,14 +12,13 @@ data, so the *direction* of each effect compares, not the values.
 
 from __future__ import annotations
 
-import re
-import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown
+from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown, group_length, speedups  # noqa: F401
+from rapidspec.evaluation.report_plots import plot_file
 from rapidspec.evaluation.runner import SummaryRow, read_records, summarize
 
 #: Table 1, LLaMA-3.1-8B target, self-speculation: LongBench v2 overall accuracy (%) and decode speedup.
@@ -29,7 +28,6 @@ PAPER_TABLE1 = {
 #: Table 3, unrelated retrieval, 8B drafter: eta -> (accuracy change vs the target, points; decode speedup).
 PAPER_TABLE3 = {0: (1.20, 1.62), 5: (2.80, 1.75), 10: (1.60, 1.77), 20: (1.20, 1.78), 30: (-2.40, 2.07),
                 40: (-2.60, 2.08), 50: (-6.30, 2.10)}
-_LENGTH = re.compile(r"@(\d+)$")
 
 
 def load_records(path: str | Path) -> list[dict]:
@@ -41,17 +39,6 @@ def load_records(path: str | Path) -> list[dict]:
     if not records:
         raise RapidspecError(f"{path} holds no records")
     return records
-
-
-def speedups(records: Sequence[dict]) -> dict[tuple, float]:
-    """Run key (group, mode, eta, gamma, sweep) -> median over items of decode tok/s over lc's on the same item."""
-    lc = {r["id"]: r["stats"].get("decode_tokens_per_second") for r in records if r["mode"] == "lc"}
-    ratios = defaultdict(list)
-    for r in records:
-        own, base = r["stats"].get("decode_tokens_per_second"), lc.get(r["id"])
-        if own and base:
-            ratios[(r["group"], r["mode"], r["eta"], r["gamma"], r.get("sweep"))].append(own / base)
-    return {key: statistics.median(values) for key, values in ratios.items()}
 
 
 def _key(row: SummaryRow) -> tuple:
@@ -240,13 +227,9 @@ def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "rap
             {**r, "id": f"{index}/{r['id']}"} for r in records if r.get("config", {}).get("temperature") == 0.0]
         figures = []
         if plots:
-            from rapidspec.evaluation.report_plots import plot_file
-
             figures = [p.name for p in plot_file(records, out.with_name(f"{out.stem}_{index}"))]
         lines += file_section(path, records, figures, per_group)
     if plots and len(paths) > 1:
-        from rapidspec.evaluation.report_plots import plot_file
-
         for index, (pair, records) in enumerate(pooled.items()):
             pooled_figures = plot_file(records, out.with_name(f"{out.stem}_all_{index}"), figures=("speedup",))
             if pooled_figures:
@@ -264,7 +247,3 @@ def model_pair(config: dict) -> str:
     return f"{config.get('model')} ← {config.get('drafter') or 'self'}"
 
 
-def group_length(group: str) -> int | None:
-    """The prompt length of a synthetic task group (``synthetic/niah_single@4096`` -> 4096), else None."""
-    match = _LENGTH.search(group)
-    return int(match.group(1)) if match else None

@@ -14,6 +14,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from rapidspec.evaluation.breakdown import group_length, speedups
 from rapidspec.evaluation.plot import pyplot
 
 
@@ -33,7 +34,6 @@ def _sweep_value(record, name: str) -> float | None:
 
 def plot_file(records: list[dict], stem: Path, figures: tuple[str, ...] = ("eta", "budget", "speedup")) -> list[Path]:
     """Write the ``figures`` these runs allow as ``{stem}_{eta,budget,speedup}.png``; their paths."""
-    from rapidspec.evaluation.report import group_length, speedups
 
     plt = pyplot()
     written = []

@@ -45,18 +45,6 @@ DEFAULT_MAX_NEW_TOKENS = {"mc": 64, "qa": 64, "needle": 32, "summary": 256}
 SPEED_FIELDS = ("decode_tokens_per_second", "acceptance_rate", "mean_accepted_length", "target_prefill_seconds")
 
 
-def parse_modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    if not modes:
-        raise RapidspecError("--modes is empty")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise RapidspecError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    if len(set(modes)) != len(modes):
-        raise RapidspecError(f"--modes repeats a mode: {text}")
-    return modes
-
-
 def record_key(item_id: str, mode: str, eta: float, gamma: int | None, sweep: str | None = None) -> tuple:
     return (item_id, mode, round(float(eta), 6), gamma, sweep)
 
@@ -241,7 +229,8 @@ def run_eval(
     corpora = retrieval_corpora(items, retrieve_from, other_items)
     config = {
         "model": getattr(target, "name", type(target).__name__),
-        "drafter": getattr(drafter, "label", getattr(drafter, "name", None)) if drafter is not None else None,
+        "drafter": (drafter if isinstance(drafter, str) else getattr(drafter, "label", getattr(drafter, "name", None)))
+        if drafter is not None else None,
         "data": data_label,
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,

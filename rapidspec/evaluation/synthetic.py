@@ -27,7 +27,7 @@ from typing import Any
 
 from rapidspec.demo_document import SENTENCE_END, token_counter, source_paragraphs
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.datasets import EvalItem
+from rapidspec.evaluation.items import EvalItem
 from rapidspec.prompts import PromptTemplate
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue")
