@@ -133,6 +133,9 @@ BAD_BODIES = [
       "streaming_tokens": 10}, None, "streaming_tokens"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, None, "messages[0].role"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, None, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "drafter_backend": "vllm"}, None, "drafter_backend"),
+    # the tiny target has no GGUF file for llama.cpp to read
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "drafter_backend": "llama.cpp"}, None, None),
 ]
 
 
