@@ -66,6 +66,8 @@ class Rapid:
     ``llama.cpp`` (:mod:`rapidspec.drafting.backends`); a request's
     ``DecodeConfig.drafter_backend`` may pick another one (made on first
     use). ``drafter_threads``: llama.cpp's threads (default: torch's).
+    ``reuse_document_cache``: keep target caches in the prefix cache, and each
+    drafter backend's last cache, for later prompts sharing a prefix.
     """
 
     def __init__(
@@ -125,9 +127,11 @@ class Rapid:
             name = "self" if source is None else getattr(source, "label", str(source))
             if backend == "llama.cpp":
                 gguf = gguf_file(self.target if source is None else source)
-                self._pools[backend] = LlamaCppDrafters(gguf, self.drafter_threads, self.tokenizer, name)
+                self._pools[backend] = LlamaCppDrafters(gguf, self.drafter_threads, self.tokenizer, name,
+                                                        keep=self.reuse_document_cache)
             else:
-                self._pools[backend] = TorchDrafters(self.drafter, self.prefill_chunk_tokens, name)
+                self._pools[backend] = TorchDrafters(self.drafter, self.prefill_chunk_tokens, name,
+                                                     keep=self.reuse_document_cache)
         return self._pools[backend]
 
     # ------------------------------------------------------------------ API
@@ -267,8 +271,14 @@ class Rapid:
                     self.prefix_cache.store(target_cache)  # the cache is the store's from now on
 
     def clear_document_cache(self) -> None:
-        """Forget every stored target cache (the next prefill starts from scratch)."""
+        """Forget every stored target cache and the drafters' kept caches (the next prefills start from scratch)."""
         self.prefix_cache.clear()
+        self.clear_drafter_caches()
+
+    def clear_drafter_caches(self) -> None:
+        """Forget the drafter caches the backends keep (the next drafter prefill starts from scratch)."""
+        for pool in self._pools.values():
+            pool.clear()
 
     # ------------------------------------------------------------ internals
     def _windows(self, config: DecodeConfig) -> tuple[int, int]:

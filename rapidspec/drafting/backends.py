@@ -39,14 +39,15 @@ def common_prefix_length(a, b) -> int:
 
 
 class DrafterPool:
-    """Makes drafters over caches of one kind and keeps the last closed cache for reuse."""
+    """Makes drafters over caches of one kind and keeps the last closed cache for reuse (when ``keep``)."""
 
     name = ""
     label = ""
     max_context = 0
     logit_width = 0
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep
         self._idle = None
 
     def _new_cache(self, tokens: int):
@@ -70,7 +71,7 @@ class DrafterPool:
         return Drafter(cache, list(prompt_ids), vocab_size, target_device, on_close=self._keep), reused
 
     def _keep(self, cache) -> None:
-        self._idle = cache
+        self._idle = cache if self.keep else None
 
     def clear(self) -> None:
         """Forget the kept cache."""
@@ -82,10 +83,10 @@ class TorchDrafters(DrafterPool):
 
     name = "torch"
 
-    def __init__(self, loaded, prefill_chunk_tokens: int, label: str) -> None:
+    def __init__(self, loaded, prefill_chunk_tokens: int, label: str, keep: bool = True) -> None:
         from rapidspec.vocabulary import logit_width
 
-        super().__init__()
+        super().__init__(keep)
         self.loaded = loaded
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.label = label
@@ -103,10 +104,10 @@ class LlamaCppDrafters(DrafterPool):
 
     name = "llama.cpp"
 
-    def __init__(self, gguf_path: Path, threads: int, target_tokenizer, name: str) -> None:
+    def __init__(self, gguf_path: Path, threads: int, target_tokenizer, name: str, keep: bool = True) -> None:
         from rapidspec.runtime.llama_cpp import LlamaCppModel
 
-        super().__init__()
+        super().__init__(keep)
         try:
             self.model = LlamaCppModel(gguf_path, threads=threads)
         except ValueError as exc:

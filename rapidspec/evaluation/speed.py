@@ -268,6 +268,7 @@ def run_benchmark(
     start from a copy of that cache; their ``target_prefill_seconds`` (and
     totals) are set to that one measured prefill, so end-to-end figures stay
     comparable while long inputs cost one prefill instead of one per run.
+    Drafter prefills are never shared: every run prefills its drafter.
     """
     if engine.reuse_document_cache != share_prefill:
         raise RapidspecError(
@@ -304,6 +305,7 @@ def run_benchmark(
             for variant in columns:
                 where = f"length {item.length}" if item.length else f"record {index + 1}"
                 note(f"{where}, repeat {repeat + 1}/{repeats}: {variant.label}")
+                engine.clear_drafter_caches()  # only the target's prefill is shared: every run prefills its drafter
                 run = measure(engine, item, variant, base, profile, peer=peer, reuse_prefill=share_prefill)
                 if share_prefill and variant.mode in FULL_CONTEXT_MODES:
                     if shared_prefill_seconds is None:  # the first lc run: a full prefill
