@@ -17,8 +17,9 @@ decoding (modes ``sd``, ``ragsd``, ``rapid``)::
                 eta > 0 the bonus needs q there, so only then the drafter feeds x_k
     5 roll back both caches to the committed tokens (minus the pending last one)
 
-The math of step 4 lives in :mod:`rapidspec.sampling`; the caches in :mod:`rapidspec.cache`;
-the choice of k in :mod:`rapidspec.gamma_schedule`. Modes ``lc`` and ``rag`` run the plain loop.
+The math of step 4 lives in :mod:`rapidspec.sampling`; the caches in :mod:`rapidspec.runtime`
+(:mod:`rapidspec.runtime.cache`, :mod:`rapidspec.runtime.lean_cache`); the choice of k in
+:mod:`rapidspec.gamma_schedule`. Modes ``lc`` and ``rag`` run the plain loop.
 """
 
 from __future__ import annotations

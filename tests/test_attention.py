@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from rapidspec import attention
-from rapidspec.attention import grouped_matmul_attention, register, short_query_path
-from rapidspec.cache import KVCache
+from rapidspec.runtime import attention
+from rapidspec.runtime.attention import grouped_matmul_attention, register, short_query_path
+from rapidspec.runtime.cache import KVCache
 from tests.conftest import make_tiny_model
 
 
