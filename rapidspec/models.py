@@ -46,6 +46,7 @@ import torch
 from rapidspec.builtin_models import BUILTIN_MODELS, DEFAULT_BUILTIN, BuiltinModel, PartWheels
 from rapidspec.devices import resolve_device, resolve_dtype
 from rapidspec.errors import RapidspecError
+from rapidspec.runtime.cache_dir import cache_root
 from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.quantization import check_quantization, quantize_linears, quantized_copy
 from rapidspec.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
@@ -108,21 +109,7 @@ class LoadedModel:
 
 
 # --------------------------------------------------------------------------
-# where models live
-
-
-def cache_root() -> Path:
-    """The rapidspec cache directory.
-
-    ``$RAPIDSPEC_CACHE`` if set, else ``$XDG_CACHE_HOME/rapidspec``, else
-    ``~/.cache/rapidspec``. Read on every call (it is cheap) so tests can point
-    it elsewhere.
-    """
-    if os.environ.get("RAPIDSPEC_CACHE"):
-        return Path(os.environ["RAPIDSPEC_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "rapidspec"
+# where models live (cache_root: $RAPIDSPEC_CACHE, $XDG_CACHE_HOME/rapidspec or ~/.cache/rapidspec)
 
 
 def builtin_entry(name: str) -> tuple[str, BuiltinModel]:

@@ -6,7 +6,8 @@ Contract: :func:`new_kv_cache` returns an empty cache satisfying
 ``memory_bytes``) whichever forward the model runs, so the engine, the prefix
 cache and the benchmarks never ask which one it is. The package imports
 nothing from the rest of rapidspec; it raises its own ``ValueError``
-subclasses (:mod:`~rapidspec.runtime.errors`).
+subclasses (:mod:`~rapidspec.runtime.errors`) and reads the cache directory
+itself (:mod:`~rapidspec.runtime.cache_dir`).
 
 Modules:
 
@@ -15,7 +16,8 @@ Modules:
 * :mod:`~rapidspec.runtime.lean` and :mod:`~rapidspec.runtime.lean_cache`:
   the lean forward of llama and qwen2 models and its preallocated cache.
 * :mod:`~rapidspec.runtime.attention`: grouped-query attention without
-  repeating key/value heads (both forwards).
+  repeating key/value heads (both forwards), whose path for short CPU queries
+  is measured once per machine and kept in the cache directory.
 * :mod:`~rapidspec.runtime.packed` and :mod:`~rapidspec.runtime.quantization`:
   prepacked float linear layers and int8/int4 weight-only layers.
 """
