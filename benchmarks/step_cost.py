@@ -37,9 +37,9 @@ from rich.table import Table
 
 from rapidspec.errors import RapidspecError
 from rapidspec.models import load_model, low_bit_copy
-from rapidspec.quantization import Int4Linear, Int8Linear
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.packed import PackedLinear, packed_bytes
+from rapidspec.runtime.quantization import Int4Linear, Int8Linear
 
 RUNTIMES = ("lean", "transformers")
 

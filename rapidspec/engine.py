@@ -13,7 +13,8 @@ reused through :mod:`rapidspec.prefix_cache`; drafters come from
     4 accept    sampling.verify: accepted prefix, then the recovered or bonus token
     5 commit    both caches roll back to the committed tokens (minus the pending last one)
 
-Modes ``lc`` and ``rag`` have no drafter: every round is a plain step.
+Modes ``lc`` and ``rag`` have no drafter: every round is a plain step. Caches come from
+:mod:`rapidspec.runtime` (the KV-cache protocol of :mod:`rapidspec.runtime.protocol`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,9 @@ import torch
 from rapidspec.builtin_models import BUILTIN_MODELS, DEFAULT_BUILTIN, BuiltinModel, PartWheels
 from rapidspec.devices import resolve_device, resolve_dtype
 from rapidspec.errors import RapidspecError
-from rapidspec.quantization import check_quantization, quantize_linears, quantized_copy
+from rapidspec.runtime.cache_dir import cache_root
+from rapidspec.runtime.errors import QuantizationError
+from rapidspec.runtime.quantization import check_quantization, quantize_linears, quantized_copy
 from rapidspec.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
 
 logger = logging.getLogger(__name__)
@@ -106,21 +109,7 @@ class LoadedModel:
 
 
 # --------------------------------------------------------------------------
-# where models live
-
-
-def cache_root() -> Path:
-    """The rapidspec cache directory.
-
-    ``$RAPIDSPEC_CACHE`` if set, else ``$XDG_CACHE_HOME/rapidspec``, else
-    ``~/.cache/rapidspec``. Read on every call (it is cheap) so tests can point
-    it elsewhere.
-    """
-    if os.environ.get("RAPIDSPEC_CACHE"):
-        return Path(os.environ["RAPIDSPEC_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "rapidspec"
+# where models live (cache_root: $RAPIDSPEC_CACHE, $XDG_CACHE_HOME/rapidspec or ~/.cache/rapidspec)
 
 
 def builtin_entry(name: str) -> tuple[str, BuiltinModel]:
@@ -301,12 +290,12 @@ def load_model(
     are resolved by :func:`resolve_dtype` and :func:`resolve_device`;
     ``device_map`` (e.g. ``"auto"`` to split over several GPUs) is passed to
     ``from_pretrained`` instead of moving the model to ``device``.
-    ``attention``: ``"native-gqa"`` (default) uses :mod:`rapidspec.attention`
+    ``attention``: ``"native-gqa"`` (default) uses :mod:`rapidspec.runtime.attention`
     (grouped-query attention without repeating key/value heads, same
     results as ``sdpa``); ``"sdpa"`` or any other transformers
     ``attn_implementation`` name is passed through.
     ``quantize``: ``"none"``, ``"int8"`` or ``"int4"`` (weight-only linear
-    layers, :mod:`rapidspec.quantization`; meant for drafters on CPU).
+    layers, :mod:`rapidspec.runtime.quantization`; meant for drafters on CPU).
     ``runtime``: ``"auto"`` (default) decodes with the lean forward of
     :mod:`rapidspec.runtime.lean` when the architecture has one (llama,
     qwen2) and the model sits on one device, else with transformers' forward;
@@ -315,11 +304,12 @@ def load_model(
     (:mod:`rapidspec.runtime.packed`), which both forwards then use.
     Raises :class:`RapidspecError` for anything the user can fix.
     """
-    check_quantization(quantize)
+    with _quantize_option():
+        check_quantization(quantize)
     if runtime not in RUNTIMES:
         raise RapidspecError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if attention == "native-gqa":
-        from rapidspec.attention import register
+        from rapidspec.runtime.attention import register
 
         attention = register()
     source, gguf = resolve_source(name)
@@ -360,6 +350,15 @@ def load_model(
     )
 
 
+@contextmanager
+def _quantize_option():
+    """Re-raise the runtime's :class:`QuantizationError` (a bad ``quantize`` option) as the user's error."""
+    try:
+        yield
+    except QuantizationError as err:
+        raise RapidspecError(str(err)) from None
+
+
 def _lean_forward(model, runtime: str, name: str, split: bool = False):
     """The :class:`LeanModel` of ``model`` for ``runtime``, or None (transformers' forward)."""
     if runtime == "transformers":
@@ -383,6 +382,7 @@ def low_bit_copy(loaded: LoadedModel, method: str = "int8", name: str | None = N
     """
     if loaded.quantization != "none":
         raise RapidspecError(f"{loaded.name} already has {loaded.quantization} weights; copy a float model")
-    model = quantized_copy(loaded.model, check_quantization(method))
+    with _quantize_option():
+        model = quantized_copy(loaded.model, check_quantization(method))
     lean = None if loaded.lean is None else _lean_forward(model, "lean", loaded.name)
     return replace(loaded, name=name or loaded.name, model=model, quantization=method, lean=lean)

@@ -32,8 +32,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rapidspec.cache import KVCache, common_prefix_length
 from rapidspec.errors import RapidspecError
+from rapidspec.runtime.cache import KVCache, common_prefix_length
 
 logger = logging.getLogger(__name__)
 

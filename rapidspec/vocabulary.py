@@ -41,7 +41,7 @@ def _vocab(tokenizer_or_model: Any) -> dict[str, int]:
 
 def logit_width(model: Any) -> int:
     """Number of logits per position of a transformers model (its output layer's width, padding included)."""
-    head = model.get_output_embeddings()  # nn.Linear or a rapidspec.quantization low-bit layer
+    head = model.get_output_embeddings()  # nn.Linear or a rapidspec.runtime.quantization low-bit layer
     return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 

@@ -7,6 +7,8 @@
   transformers' own assisted-generation tests use.
 * ``MarkovLM``: a model whose next-token logits depend only on the last token,
   from a fixed table, so that exact output distributions can be computed.
+* ``attention_choices_file`` (autouse): attention paths measured during the
+  session are kept in a temporary file, not in the user's cache directory.
 """
 
 from __future__ import annotations
@@ -64,6 +66,15 @@ def make_tiny_model(seed: int = 0, tokenizer=None, max_context: int = 4096, hidd
         max_context=max_context,
         source="config",
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def attention_choices_file(tmp_path_factory):
+    """Attention paths measured by tests are kept in a file of this session, not the user's cache (subprocesses too)."""
+    path = tmp_path_factory.mktemp("attention") / "attention_paths.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAPIDSPEC_ATTENTION_PATHS", str(path))
+        yield path
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,21 @@
-"""The native-GQA attention function computes what transformers' sdpa computes."""
+"""The native-GQA attention function computes what transformers' sdpa computes; its path choice is reproducible."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from rapidspec import attention
-from rapidspec.attention import grouped_matmul_attention, register, short_query_path
-from rapidspec.cache import KVCache
+from rapidspec.runtime import attention
+from rapidspec.runtime.attention import grouped_matmul_attention, register, short_query_path
+from rapidspec.runtime.cache import KVCache
 from tests.conftest import make_tiny_model
+
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(params=["matmul", "batched", "sdpa"])
@@ -16,18 +25,113 @@ def forced_path(request, monkeypatch):
     return request.param
 
 
-def test_short_query_path_is_forced_or_measured_once_per_shape_class(monkeypatch):
+@pytest.fixture
+def choices(tmp_path, monkeypatch):
+    """An empty choices file of this test, measured paths on, nothing memoised (before and after)."""
+    path = tmp_path / "cache" / "attention_paths.json"
+    monkeypatch.setenv(attention.CHOICES_FILE_ENV, str(path))
+    monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "measure")
+    attention.fastest_short_query_path.cache_clear()
+    yield path
+    attention.fastest_short_query_path.cache_clear()
+
+
+def _shape_class(kv_len: int) -> str:
+    """The choices file's key of a float32 query [1, 6, 1, 32] over 2 key/value heads (classes of 512.. keys)."""
+    return f"float32 h6/2 q1 n{kv_len} d32 t{torch.get_num_threads()}"
+
+
+def _never_timed(*shape):
+    raise AssertionError(f"timed again: {shape}")
+
+
+def test_short_query_path_is_forced_or_measured_once_per_shape_class_and_kept(monkeypatch, choices):
     query = torch.empty(1, 6, 1, 32)
     monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "matmul")
     assert short_query_path(torch.empty(1, 6, 64, 32), 2, 4096) == "sdpa"  # a prefill chunk never
     assert short_query_path(query, 2, 4096) == "matmul"
+    assert not choices.exists()  # a forced path is neither measured nor kept
     monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "measure")
-    attention.fastest_short_query_path.cache_clear()
     first = short_query_path(query, 2, 600)
     assert first in attention.SHORT_QUERY_PATHS
     assert short_query_path(query, 2, 1000) == first  # 600 and 1000 keys are one class (512..1023)
     info = attention.fastest_short_query_path.cache_info()
     assert (info.misses, info.hits) == (1, 1)
+    kept = json.loads(choices.read_text())
+    assert kept == {"format": attention.CHOICES_FORMAT, "machines": {attention.machine_key(): {_shape_class(512): first}}}
+    assert [p.name for p in choices.parent.iterdir()] == [choices.name]  # no temporary file left
+
+
+def test_a_kept_path_is_taken_without_timing(monkeypatch, choices):
+    monkeypatch.setattr(attention, "measure_short_query_path", _never_timed)
+    for path in attention.SHORT_QUERY_PATHS:
+        table = {attention.machine_key(): {_shape_class(512): path}, "another CPU | AVX2 | torch 0": {}}
+        choices.parent.mkdir(exist_ok=True)
+        choices.write_text(json.dumps({"format": attention.CHOICES_FORMAT, "machines": table}))
+        attention.fastest_short_query_path.cache_clear()
+        assert short_query_path(torch.empty(1, 6, 1, 32), 2, 700) == path
+        assert short_query_path(torch.empty(1, 6, 1, 32), 2, 900) == path
+
+
+def test_a_fresh_process_takes_the_path_this_one_kept(choices):
+    first = short_query_path(torch.empty(1, 6, 1, 32), 2, 3000)
+    script = (
+        "import torch\n"
+        "from rapidspec.runtime import attention\n"
+        f"torch.set_num_threads({torch.get_num_threads()})\n"
+        "def never(*shape): raise AssertionError('timed again')\n"
+        "attention.measure_short_query_path = never\n"
+        "print(attention.short_query_path(torch.empty(1, 6, 1, 32), 2, 3000))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd=REPOSITORY
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == first
+
+
+def test_a_corrupt_file_counts_as_empty_and_is_rewritten(monkeypatch, choices):
+    choices.parent.mkdir()
+    unknown_path = {attention.machine_key(): {_shape_class(256): "flash"}}
+    for corrupt in (
+        "{not json",
+        "[1, 2]",
+        json.dumps({"format": attention.CHOICES_FORMAT + 1, "machines": {}}),
+        json.dumps({"format": attention.CHOICES_FORMAT, "machines": unknown_path}),
+    ):
+        choices.write_text(corrupt)
+        attention.fastest_short_query_path.cache_clear()
+        monkeypatch.setattr(attention, "measure_short_query_path", lambda *shape: "batched")
+        assert short_query_path(torch.empty(1, 6, 1, 32), 2, 300) == "batched"
+        kept = json.loads(choices.read_text())["machines"]
+        assert kept == {attention.machine_key(): {_shape_class(256): "batched"}}
+        attention.fastest_short_query_path.cache_clear()
+        monkeypatch.setattr(attention, "measure_short_query_path", _never_timed)
+        assert short_query_path(torch.empty(1, 6, 1, 32), 2, 300) == "batched"
+
+
+def test_an_unwritable_file_gives_the_deterministic_default(monkeypatch, choices, tmp_path, caplog):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv(attention.CHOICES_FILE_ENV, str(blocker / "attention_paths.json"))  # its directory is a file
+    default = attention.default_short_query_path(4096)
+    other = next(path for path in attention.SHORT_QUERY_PATHS if path != default)
+    monkeypatch.setattr(attention, "measure_short_query_path", lambda *shape: other)
+    with caplog.at_level(logging.DEBUG, logger=attention.__name__):
+        for _ in range(2):  # the same in a fresh process: nothing kept, nothing timed taken
+            attention.fastest_short_query_path.cache_clear()
+            assert short_query_path(torch.empty(1, 6, 1, 32), 2, 5000) == default
+    assert "cannot keep a path" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["a file"]
+
+
+def test_default_path_follows_the_cpu_capability(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert [attention.default_short_query_path(n) for n in (256, 512, 1024, 16384)] == ["batched"] * 2 + ["matmul"] * 2
+    for capability in ("AVX2", "DEFAULT", "SVE256"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        assert attention.default_short_query_path(512) == attention.default_short_query_path(16384) == "sdpa"
 
 
 def test_gqa_attention_matches_sdpa(byte_tokenizer, forced_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicLayer
 
-from rapidspec.cache import KVCache, GrowableLayer
+from rapidspec.runtime.cache import KVCache, GrowableLayer
 
 
 def _states(generator, length, batch=1, heads=2, dim=4):

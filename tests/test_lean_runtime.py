@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,16 +12,17 @@ import torch
 from scipy.stats import chisquare
 from transformers import GemmaConfig, GemmaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rapidspec import Rapid, attention
-from rapidspec.cache import KVCache
+from rapidspec import Rapid
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.outputs import last_output
 from rapidspec.models import LoadedModel, _lean_forward, load_model, low_bit_copy
 from rapidspec.retrieval import RetrievalConfig
-from rapidspec.runtime import new_kv_cache
+from rapidspec.runtime import attention, new_kv_cache
+from rapidspec.runtime.cache import KVCache
 from rapidspec.runtime.lean import LeanModel, lean_unsupported_reason
 from rapidspec.runtime.lean_cache import LeanKVCache
+from rapidspec.runtime.protocol import KVCacheProtocol
 from tests.conftest import make_tiny_model
 from tests.test_engine_distribution import augmented_numpy
 
@@ -97,6 +100,31 @@ def test_capacity_growth_clone_and_memory(tiny):
     assert lean.length == twin.length == 650
     with pytest.raises(ValueError):
         lean.crop(651)
+
+
+def test_runtime_imports_nothing_from_the_package_root():
+    """rapidspec.runtime stands alone: no ``rapidspec.X`` import for X other than runtime, no ``from ..``."""
+    upward = []
+    for source in sorted(Path(attention.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text(), str(source))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["rapidspec (relative)"] if node.level > 1 else [node.module or ""] if node.level == 0 else []
+            else:
+                continue
+            upward += [f"{source.name}: {name}" for name in names if name.split(".")[0] == "rapidspec"
+                       and name.split(".")[:2] != ["rapidspec", "runtime"]]
+    assert upward == []
+
+
+def test_both_caches_satisfy_the_kv_cache_protocol(tiny):
+    caches = [new_kv_cache(tiny), new_kv_cache(with_lean(tiny))]
+    assert [type(cache) for cache in caches] == [KVCache, LeanKVCache]
+    for cache in caches:
+        assert isinstance(cache, KVCacheProtocol)
+        assert isinstance(cache.clone(), KVCacheProtocol)
+    assert not isinstance(object(), KVCacheProtocol)
 
 
 @torch.inference_mode()

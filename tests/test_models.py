@@ -212,7 +212,7 @@ def test_local_dir_bfloat16(tiny_dir):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_local_dir_quantized(tiny_dir, method):
-    from rapidspec.quantization import Int8Linear
+    from rapidspec.runtime.quantization import Int8Linear
 
     loaded = load_model(str(tiny_dir), dtype="float32", quantize=method)
     assert loaded.quantization == method and loaded.label == f"{tiny_dir} {method}"

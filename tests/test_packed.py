@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rapidspec.cache import KVCache
 from rapidspec.models import load_model, low_bit_copy
-from rapidspec.quantization import Int8Linear
 from rapidspec.runtime import new_kv_cache
+from rapidspec.runtime.cache import KVCache
 from rapidspec.runtime.packed import (
     PackedLinear,
     ProductSlice,
@@ -19,6 +18,7 @@ from rapidspec.runtime.packed import (
     packed_bytes,
     packing_available,
 )
+from rapidspec.runtime.quantization import Int8Linear
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.float32), reason="this PyTorch build has no oneDNN packing")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rapidspec.cache import KVCache
 from rapidspec.errors import RapidspecError
 from rapidspec.prefix_cache import PrefixCache
+from rapidspec.runtime.cache import KVCache
 
 
 def filled(model, tokens) -> KVCache:

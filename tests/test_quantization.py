@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidspec import Rapid, low_bit_copy
+from rapidspec import Rapid, load_model, low_bit_copy
 from rapidspec.errors import RapidspecError
-from rapidspec.quantization import (
+from rapidspec.runtime.errors import QuantizationError
+from rapidspec.runtime.quantization import (
     INT4_GROUP,
     KERNEL_MAX_ROWS,
     Int4Linear,
@@ -124,12 +125,17 @@ def test_labels_and_validation(tiny_model):
     assert low_bit_copy(tiny_model, name="self").label == "self int8"
     assert low_bit_copy(tiny_model, "int4", name="self").label == "self int4"
     assert check_quantization("int4") == "int4"
-    with pytest.raises(RapidspecError, match="none, int8, int4"):
+    # the runtime raises its own ValueError; the user's options (load_model, low_bit_copy) get RapidspecError
+    with pytest.raises(QuantizationError, match="none, int8, int4"):
         check_quantization("int3")
+    with pytest.raises(RapidspecError, match="^quantize must be one of none, int8, int4, got 'int3'$"):
+        load_model("builtin", quantize="int3")
     with pytest.raises(RapidspecError, match="already has int8 weights"):
         low_bit_copy(low_bit_copy(tiny_model))
-    with pytest.raises(RapidspecError, match="cannot quantize"):
+    with pytest.raises(QuantizationError, match="cannot quantize"):
         quantize_linears(nn.Sequential(nn.Linear(64, 16)), "none")
+    with pytest.raises(RapidspecError, match="^cannot quantize linear layers with 'none'; use one of int8, int4$"):
+        low_bit_copy(tiny_model, "none")
 
 
 def test_engine_reads_the_vocabulary_of_a_low_bit_head(tiny_model):

@@ -9,8 +9,8 @@ from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
 from rapidspec.drafting.backends import DRAFTER_BACKENDS
 from rapidspec.errors import RapidspecError
 from rapidspec.models import RUNTIMES
-from rapidspec.quantization import QUANTIZATIONS
 from rapidspec.retrieval import METHODS, RetrievalConfig
+from rapidspec.runtime.quantization import QUANTIZATIONS
 
 _DEFAULT_DECODE = DecodeConfig()
 _DEFAULT_RETRIEVAL = RetrievalConfig()

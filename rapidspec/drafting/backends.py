@@ -22,20 +22,11 @@ import torch
 
 from rapidspec.drafting.drafter import Drafter
 from rapidspec.errors import RapidspecError
+from rapidspec.runtime.cache import common_prefix_length
 
 logger = logging.getLogger(__name__)
 
 DRAFTER_BACKENDS: tuple[str, ...] = ("auto", "torch", "llama.cpp")
-
-
-def common_prefix_length(a, b) -> int:
-    """Length of the longest common prefix of two token sequences (``[1, 2, 3]``, ``[1, 2, 5]`` -> 2)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class DrafterPool:

@@ -1,20 +1,38 @@
 """How a model's forward runs: transformers' modules or the lean forward.
 
-Both paths sit behind the same cache interface (``forward``, ``prefill``,
-``crop``, ``clone``, ``length``, ``token_ids``, ``device``, ``memory_bytes``),
-so the engine, the prefix cache and the benchmarks never ask which one runs.
+Contract: :func:`new_kv_cache` returns an empty cache satisfying
+:class:`~rapidspec.runtime.protocol.KVCacheProtocol` (``forward``,
+``prefill``, ``crop``, ``clone``, ``length``, ``token_ids``, ``device``,
+``memory_bytes``) whichever forward the model runs, so the engine, the prefix
+cache and the benchmarks never ask which one it is. The package imports
+nothing from the rest of rapidspec; it raises its own ``ValueError``
+subclasses (:mod:`~rapidspec.runtime.errors`) and reads the cache directory
+itself (:mod:`~rapidspec.runtime.cache_dir`).
+
+Modules:
+
+* :mod:`~rapidspec.runtime.cache`: :class:`~rapidspec.runtime.cache.KVCache`,
+  a transformers ``DynamicCache`` that grows in place, for transformers' forward.
+* :mod:`~rapidspec.runtime.lean` and :mod:`~rapidspec.runtime.lean_cache`:
+  the lean forward of llama and qwen2 models and its preallocated cache.
+* :mod:`~rapidspec.runtime.attention`: grouped-query attention without
+  repeating key/value heads (both forwards), whose path for short CPU queries
+  is measured once per machine and kept in the cache directory.
+* :mod:`~rapidspec.runtime.packed` and :mod:`~rapidspec.runtime.quantization`:
+  prepacked float linear layers and int8/int4 weight-only layers.
 """
 
 from __future__ import annotations
 
-from rapidspec.cache import KVCache
+from rapidspec.runtime.cache import KVCache
+from rapidspec.runtime.protocol import KVCacheProtocol
 
 
-def new_kv_cache(loaded, prefill_chunk_tokens: int = 2048):
+def new_kv_cache(loaded, prefill_chunk_tokens: int = 2048) -> KVCacheProtocol:
     """An empty cache of ``loaded`` (a :class:`~rapidspec.models.LoadedModel`).
 
     The lean runtime's cache when the model was loaded with one, else a
-    :class:`~rapidspec.cache.KVCache` over transformers' forward.
+    :class:`~rapidspec.runtime.cache.KVCache` over transformers' forward.
     """
     lean = getattr(loaded, "lean", None)
     if lean is not None:

@@ -12,8 +12,8 @@ transformers patched or copied): for each layer
 
 The key/value cache is owned by :class:`rapidspec.runtime.lean_cache.LeanKVCache`;
 this module only reads and writes the buffers it is handed. The linear layers
-are called as they are, so int8/int4 drafters (:mod:`rapidspec.quantization`)
-run their weight-only kernels here too. Architectures or options it does not
+are called as they are, so int8/int4 drafters
+(:mod:`rapidspec.runtime.quantization`) run their weight-only kernels here too. Architectures or options it does not
 know (sliding windows, dynamic rope, other activations) are refused by
 :func:`lean_unsupported_reason`, and the model keeps the transformers path.
 Checked against transformers in ``tests/test_lean_runtime.py`` (logits close,
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rapidspec.attention import causal_attention
-from rapidspec.quantization import Int8Linear
+from rapidspec.runtime.attention import causal_attention
+from rapidspec.runtime.quantization import Int8Linear
 from rapidspec.runtime.packed import pack_fused, pack_linears
 
 #: model_type values of transformers configs the lean forward implements.

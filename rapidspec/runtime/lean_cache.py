@@ -1,15 +1,16 @@
 """The key/value cache of the lean forward: preallocated buffers with room ahead.
 
-:class:`LeanKVCache` has the interface of :class:`rapidspec.cache.KVCache`
-(``forward``, ``prefill``, ``crop``, ``clone``, ``length``, ``token_ids``,
-``device``, ``memory_bytes``) and is its owner's only writer. Keys and values
-of all layers live in two buffers [layers, kv_heads, capacity, head_dim];
-a forward writes the new positions in place and attends over the first
-``length`` positions of each head, whose [length, head_dim] blocks are
-contiguous. Rollback only shortens ``length``: the next forward overwrites
-what was cropped. Capacity grows like the transformers path's
-:class:`~rapidspec.cache.GrowableLayer` (by :data:`~rapidspec.cache.ROOM_GROWTH`,
-in multiples of :data:`~rapidspec.cache.ROOM_QUANTUM` tokens).
+:class:`LeanKVCache` satisfies :class:`~rapidspec.runtime.protocol.KVCacheProtocol`
+like :class:`~rapidspec.runtime.cache.KVCache` (``forward``, ``prefill``,
+``crop``, ``clone``, ``length``, ``token_ids``, ``device``, ``memory_bytes``)
+and is its owner's only writer. Keys and values of all layers live in two
+buffers [layers, kv_heads, capacity, head_dim]; a forward writes the new
+positions in place and attends over the first ``length`` positions of each
+head, whose [length, head_dim] blocks are contiguous. Rollback only shortens
+``length``: the next forward overwrites what was cropped. Capacity grows like
+the transformers path's :class:`~rapidspec.runtime.cache.GrowableLayer` (by
+:data:`~rapidspec.runtime.cache.ROOM_GROWTH`, in multiples of
+:data:`~rapidspec.runtime.cache.ROOM_QUANTUM` tokens).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rapidspec.cache import ROOM_GROWTH, ROOM_QUANTUM, HeldTokens
+from rapidspec.runtime.cache import ROOM_GROWTH, ROOM_QUANTUM, HeldTokens
 from rapidspec.runtime.lean import LeanModel
 
 

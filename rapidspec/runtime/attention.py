@@ -12,11 +12,12 @@ to use it. Nothing of transformers is patched. Two paths:
 * **Short queries on CPU where it is faster** (decode steps and
   verification, at most :data:`MATMUL_MAX_QUERY` tokens, see
   :func:`short_query_path`; which path wins depends on the CPU, so it is
-  measured once per shape class): the query heads of each key/value group
-  are stacked into one matrix, so attention is two matrix products per
-  key/value head (or two batched products over all of them) straight on the
-  cached keys and values (no head repetition, no upcast of the cache). On 2 CPU cores, per layer of Qwen2.5-1.5B
-  at 16K keys in bfloat16, PyTorch's ``scaled_dot_product_attention`` took about
+  measured once per machine and shape class and kept, below): the query
+  heads of each key/value group are stacked into one matrix, so attention is
+  two matrix products per key/value head (or two batched products over all
+  of them) straight on the cached keys and values (no head repetition, no
+  upcast of the cache). On 2 CPU cores, per layer of Qwen2.5-1.5B at 16K
+  keys in bfloat16, PyTorch's ``scaled_dot_product_attention`` took about
   19 ms for one query (12.7 ms for 7), this path 0.7 ms (3.2 ms). Scores and
   probabilities are held in the model's dtype (rounded where transformers'
   ``eager`` attention rounds them; the softmax computes in float32 inside),
@@ -27,18 +28,54 @@ to use it. Nothing of transformers is patched. Two paths:
 * **Everything else** (prefill chunks, GPUs, shapes where it measured faster):
   PyTorch's ``scaled_dot_product_attention(..., enable_gqa=True)``, which
   reads the grouped heads directly.
+
+The path of a short CPU query is reproducible: the same machine, shape and
+settings always take the same path, in every process, so two runs of one
+greedy request run the same kernels (in bfloat16 the paths round
+differently). The rule (:func:`short_query_path`):
+
+1. Queries on other devices, longer than :data:`MATMUL_MAX_QUERY` or
+   causal without a cache take SDPA; else :data:`SHORT_QUERY_PATH`, when it
+   names a path, is taken.
+2. Else the shape class (dtype, heads, key/value heads, query length,
+   power-of-two class of the key count, head_dim, threads) is looked up in
+   the choices file (:func:`choices_file`: ``$RAPIDSPEC_ATTENTION_PATHS``,
+   else ``attention_paths.json`` in the rapidspec cache directory), under a
+   key naming the machine (:func:`machine_key`: CPU model, PyTorch's CPU
+   capability, PyTorch version). A path found there is taken, never re-timed.
+3. Else the candidates are timed once (:func:`measure_short_query_path`, a
+   few milliseconds) and the fastest is written to the file (temporary file
+   renamed into place; if another process wrote this class meanwhile, its
+   path wins), then taken by this and every later process.
+4. If the file cannot be written, :func:`default_short_query_path` (from the
+   CPU capability and the key count) is taken instead of the measurement, so
+   that no process takes a path the next one could not reproduce. A corrupt
+   file counts as empty and is rewritten. Both are logged at debug level.
+
+Each process reads the file once per shape class (:func:`fastest_short_query_path`
+is memoised). Two processes measuring one class at the same moment may each
+keep their own measurement for their lifetime; the file then holds one, which
+every later process takes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import logging
+import os
+import platform
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
+
+from rapidspec.runtime.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +86,19 @@ MATMUL_MAX_QUERY = 32
 #: (``matmul``), one batched product over the key/value heads (``batched``),
 #: or PyTorch's SDPA (``sdpa``).
 SHORT_QUERY_PATHS = ("matmul", "batched", "sdpa")
-#: How short CPU queries choose their path: ``"measure"`` (default) times
-#: every path once per shape class (:func:`fastest_short_query_path`); a name
-#: of :data:`SHORT_QUERY_PATHS` forces it (tests, comparisons).
+#: How short CPU queries choose their path: ``"measure"`` (default) takes the
+#: path kept for the shape class in the choices file, measuring and keeping it
+#: the first time (:func:`fastest_short_query_path`); a name of
+#: :data:`SHORT_QUERY_PATHS` forces it (tests, comparisons).
 SHORT_QUERY_PATH = "measure"
 #: Fewest keys of a shape class; shorter caches count as this many.
 MEASURE_MIN_KEYS = 256
+#: Environment variable naming the choices file (default: :data:`CHOICES_FILE_NAME` in the cache directory).
+CHOICES_FILE_ENV = "RAPIDSPEC_ATTENTION_PATHS"
+CHOICES_FILE_NAME = "attention_paths.json"
+#: Layout of the choices file: ``{"format": 1, "machines": {machine_key: {shape class: path}}}``;
+#: a file of another format counts as empty.
+CHOICES_FORMAT = 1
 
 
 def short_query_path(query: torch.Tensor, kv_heads: int, kv_len: int) -> str:
@@ -67,7 +111,7 @@ def short_query_path(query: torch.Tensor, kv_heads: int, kv_len: int) -> str:
     keys), while an AVX-512 EPYC with bfloat16 instructions ran SDPA in 254 ms
     at 8K keys against 18 ms, and at 528 keys the batched product in 6.5 ms
     against 11.8 (per-head) and 12.6 (SDPA). So the choice is measured on the
-    machine it runs on.
+    machine it runs on, once, and kept (module docstring).
     """
     if query.device.type != "cpu" or query.shape[-2] > MATMUL_MAX_QUERY:
         return "sdpa"
@@ -82,11 +126,108 @@ def short_query_path(query: torch.Tensor, kv_heads: int, kv_len: int) -> str:
 def fastest_short_query_path(
     dtype: torch.dtype, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, threads: int
 ) -> str:
-    """The fastest of :data:`SHORT_QUERY_PATHS` on this CPU for this shape (measured once, medians of 5).
+    """The path of this shape class on this machine: the one kept in the choices file, else measured and kept.
 
-    Costs a few milliseconds per shape class; ``threads`` is part of the key
-    because the answer depends on it. Keys and values are views of longer
-    buffers, as in a cache.
+    Memoised, so each process reads the file once per shape class. ``threads``
+    is part of the key because the fastest path depends on it. Returns
+    :func:`default_short_query_path` when a measured path cannot be kept
+    (module docstring, rule 4).
+    """
+    shape = f"{str(dtype).removeprefix('torch.')} h{heads}/{kv_heads} q{q_len} n{kv_len} d{head_dim} t{threads}"
+    path, machine = choices_file(), machine_key()
+    kept = _read_choices(path).get(machine, {}).get(shape)
+    if kept is not None:
+        return kept
+    measured = measure_short_query_path(dtype, heads, kv_heads, q_len, kv_len, head_dim)
+    try:
+        return _keep_choice(path, machine, shape, measured)
+    except OSError as err:
+        default = default_short_query_path(kv_len)
+        logger.debug("attention %s: cannot keep a path in %s (%s); taking the default %s", shape, path, err, default)
+        return default
+
+
+def default_short_query_path(kv_len: int) -> str:
+    """The path taken where no measured one can be kept: from the CPU capability and the key count only.
+
+    From the measurements of :func:`short_query_path`: on AVX-512 CPUs the
+    products won (batched over short caches, per head over long ones), on
+    AVX2-only CPUs SDPA won for head_dim 64 at every length.
+    """
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return "batched" if kv_len < 1024 else "matmul"
+    return "sdpa"
+
+
+def choices_file() -> Path:
+    """``$RAPIDSPEC_ATTENTION_PATHS`` if set, else ``attention_paths.json`` in the rapidspec cache directory."""
+    override = os.environ.get(CHOICES_FILE_ENV)
+    return Path(override).expanduser() if override else cache_root() / CHOICES_FILE_NAME
+
+
+@functools.lru_cache(maxsize=1)
+def machine_key() -> str:
+    """What a kept path depends on besides the shape: the CPU model, PyTorch's CPU capability and version."""
+    model = ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            model = next((line.partition(":")[2].strip() for line in cpuinfo if line.startswith("model name")), "")
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    return f"{model} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__}"
+
+
+def _read_choices(path: Path) -> dict[str, dict[str, str]]:
+    """The kept paths of the choices file ({machine: {shape class: path}}); {} when missing or corrupt."""
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        logger.debug("attention choices %s unreadable (%s): counted as empty", path, err)
+        return {}
+    machines = content.get("machines") if isinstance(content, dict) else None
+    if not isinstance(machines, dict) or content.get("format") != CHOICES_FORMAT:
+        logger.debug("attention choices %s has no format %d table: counted as empty", path, CHOICES_FORMAT)
+        return {}
+    return {
+        machine: {shape: name for shape, name in kept.items() if name in SHORT_QUERY_PATHS}
+        for machine, kept in machines.items()
+        if isinstance(kept, dict)
+    }
+
+
+def _keep_choice(path: Path, machine: str, shape: str, measured: str) -> str:
+    """Write ``measured`` for (machine, shape) into the choices file, atomically; returns the path now kept.
+
+    The file is read again first: a path another process kept meanwhile wins
+    (and nothing is written). Raises ``OSError`` when the file cannot be written.
+    """
+    machines = _read_choices(path)
+    kept = machines.get(machine, {}).get(shape)
+    if kept is not None:
+        return kept
+    machines.setdefault(machine, {})[shape] = measured
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump({"format": CHOICES_FORMAT, "machines": machines}, out, indent=1, sort_keys=True)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    return measured
+
+
+def measure_short_query_path(
+    dtype: torch.dtype, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int
+) -> str:
+    """The fastest of :data:`SHORT_QUERY_PATHS` for this shape, timed now (medians of 5).
+
+    Costs a few milliseconds per shape class. Keys and values are views of
+    longer buffers, as in a cache. Called only where no path is kept
+    (:func:`fastest_short_query_path`).
     """
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(1, heads, q_len, head_dim, generator=generator).to(dtype)

@@ -2,7 +2,9 @@
 
 :class:`KVCache` wraps a transformers ``DynamicCache`` together with the token
 ids it holds, so that "what the cache contains" is never a counter kept by
-someone else. Rollback uses only the public ``Cache.crop``.
+someone else. Rollback uses only the public ``Cache.crop``. It satisfies
+:class:`~rapidspec.runtime.protocol.KVCacheProtocol`, as the lean runtime's
+cache does; :class:`HeldTokens` is what the two share.
 
 The cache's full-attention layers are :class:`GrowableLayer` (a subclass of
 transformers' public ``DynamicLayer``): new keys and values are written into

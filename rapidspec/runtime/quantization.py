@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidspec.errors import RapidspecError
+from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.packed import PackedLinear, ProductSlice, SharedProduct
 
 #: Accepted values of ``quantize`` options.
@@ -58,9 +58,9 @@ KERNEL_IN_FEATURES_MULTIPLE = 32
 
 
 def check_quantization(method: str) -> str:
-    """Validate a ``quantize`` option; returns it."""
+    """Validate a ``quantize`` option; returns it (:class:`QuantizationError` if unknown)."""
     if method not in QUANTIZATIONS:
-        raise RapidspecError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
+        raise QuantizationError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     return method
 
 
@@ -220,10 +220,11 @@ def quantize_linears(model: nn.Module, method: str = "int8") -> int:
     ``method``: ``"int8"`` or ``"int4"`` (layers whose widths int4 cannot
     take get int8). Tied weights (an output layer sharing the input
     embedding) stay shared in float for the embedding lookup; the output layer
-    gets its own quantised copy. Returns the number of layers replaced.
+    gets its own quantised copy. Returns the number of layers replaced;
+    :class:`QuantizationError` for any other ``method``.
     """
     if method not in QUANTIZATIONS[1:]:
-        raise RapidspecError(f"cannot quantize linear layers with {method!r}; use one of {', '.join(QUANTIZATIONS[1:])}")
+        raise QuantizationError(f"cannot quantize linear layers with {method!r}; use one of {', '.join(QUANTIZATIONS[1:])}")
     replaced = 0
     for parent in list(model.modules()):
         if isinstance(parent, (ProductSlice, SharedProduct)):

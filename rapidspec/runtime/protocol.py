@@ -1,0 +1,62 @@
+"""What every key/value cache offers: :class:`KVCacheProtocol`.
+
+A cache holds one model's keys and values over one token sequence (batch size
+1) and is its owner's only writer. The engine, the prefix cache and the
+benchmarks use nothing else of a cache, so any class with these members can
+stand in for :class:`~rapidspec.runtime.cache.KVCache` (transformers' forward)
+or :class:`~rapidspec.runtime.lean_cache.LeanKVCache` (the lean forward).
+The protocol is ``runtime_checkable``: ``isinstance(cache, KVCacheProtocol)``
+checks that the members exist, not their signatures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class KVCacheProtocol(Protocol):
+    """The key/value cache of one model over one token sequence."""
+
+    @property
+    def length(self) -> int:
+        """Number of tokens whose keys/values are held."""
+        ...
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens held, in order (a copy)."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where :meth:`forward` returns its logits (the device of the input embeddings)."""
+        ...
+
+    def forward(self, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
+        """Append ``token_ids`` (at least one) and return float32 logits [num_logits, V] on :attr:`device`.
+
+        Row j predicts the token after ``token_ids[len - num_logits + j]``;
+        ``1 <= num_logits <= len(token_ids)`` (else ``ValueError``).
+        """
+        ...
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """Append a long sequence in chunks; the logits after its last token ([1, V]), or None for none."""
+        ...
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (``0 <= length <= self.length``, else ``ValueError``)."""
+        ...
+
+    def clone(self) -> KVCacheProtocol:
+        """An independent copy holding the same tokens."""
+        ...
+
+    def memory_bytes(self) -> int:
+        """Bytes allocated for the keys and values (reserved room included)."""
+        ...
