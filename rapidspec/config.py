@@ -11,14 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rapidspec.drafting.backends import DRAFTER_BACKENDS
-from rapidspec.drafting.modes import (  # noqa: F401  (the mode table's views, public here too)
-    MODE_TABLE,
-    MODES,
-    TARGET_READS_RETRIEVED,
-    USES_DRAFTER,
-    USES_MODEL_DRAFTER,
-    USES_RETRIEVAL,
-)
+from rapidspec.drafting.modes import MODE_TABLE, MODES
 from rapidspec.drafting.streaming import DEFAULT_SINK_TOKENS, DEFAULT_STREAMING_TOKENS
 from rapidspec.errors import RapidspecError
 

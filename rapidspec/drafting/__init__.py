@@ -15,7 +15,6 @@ from rapidspec.drafting.modes import (
     MODES,
     TARGET_READS_RETRIEVED,
     USES_DRAFTER,
-    USES_MODEL_DRAFTER,
     USES_RETRIEVAL,
     ModeSpec,
 )
@@ -29,7 +28,6 @@ __all__ = [
     "NO_PROPOSAL",
     "TARGET_READS_RETRIEVED",
     "USES_DRAFTER",
-    "USES_MODEL_DRAFTER",
     "USES_RETRIEVAL",
     "Drafter",
     "ModeSpec",

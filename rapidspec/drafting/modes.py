@@ -52,5 +52,4 @@ MODES: tuple[str, ...] = tuple(MODE_TABLE)
 # Views of the table, for membership tests.
 TARGET_READS_RETRIEVED = frozenset(m for m, s in MODE_TABLE.items() if s.target_reads == "retrieved")
 USES_DRAFTER = frozenset(m for m, s in MODE_TABLE.items() if s.drafter_kind is not None)
-USES_MODEL_DRAFTER = frozenset(m for m, s in MODE_TABLE.items() if s.drafter_kind == "model")
 USES_RETRIEVAL = frozenset(m for m, s in MODE_TABLE.items() if s.uses_retrieval)

@@ -37,7 +37,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rapidspec.config import MODES, TARGET_READS_RETRIEVED, USES_DRAFTER, DecodeConfig
+from rapidspec.config import MODES, DecodeConfig
+from rapidspec.drafting import TARGET_READS_RETRIEVED, USES_DRAFTER
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.bench_results import BenchReport, Measurement, Result
 from rapidspec.evaluation.memory import GIB, PeakMemory

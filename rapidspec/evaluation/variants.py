@@ -5,8 +5,8 @@ A sweep (``--sweep eta=0,2,5``) multiplies only the modes that use the knob:
 | knob | modes it applies to |
 |---|---|
 | ``eta``, ``draft_gate`` | ``rapid`` |
-| ``gamma``, ``draft_confidence`` | the drafting modes (sd, ragsd, rapid, magicdec) |
-| ``budget_tokens`` | the retrieving modes (rag, ragsd, rapid) |
+| ``gamma``, ``draft_confidence`` | the drafting modes (sd, ragsd, rapid, magicdec, lookup) |
+| ``budget_tokens`` | the retrieving modes (rag, ragsd, rapid, lookup) |
 | ``streaming_tokens`` | ``magicdec`` |
 
 so ``--modes lc,rag,rapid --sweep eta=0,2,5`` runs lc and rag once and rapid
@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rapidspec.config import DEFAULT_RAPID_ETA, USES_DRAFTER, USES_RETRIEVAL
+from rapidspec.config import DEFAULT_RAPID_ETA
+from rapidspec.drafting import USES_DRAFTER, USES_RETRIEVAL
 from rapidspec.evaluation.bench_inputs import SWEEP_PARAMS, Sweep, parse_sweep
 
 #: Knobs ``eval --sweep`` takes (name -> value type).

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rapidspec.runtime.cache import HeldTokens
+
 logger = logging.getLogger(__name__)
 
 #: Tokens per llama_decode call during prefill (llama.cpp's n_batch).
@@ -97,10 +99,11 @@ class LlamaCppModel:
             self._model = None
 
 
-class LlamaCppContext:
+class LlamaCppContext(HeldTokens):
     """One llama.cpp context over one token sequence; the only writer of its key/value memory."""
 
     def __init__(self, model: LlamaCppModel, n_ctx: int) -> None:
+        super().__init__(BATCH_TOKENS)
         ll = model._ll
         self._ll = ll
         self.model = model
@@ -118,26 +121,14 @@ class LlamaCppContext:
             raise RuntimeError(f"llama.cpp could not create a context of {capacity} tokens for {model.path}")
         self.capacity = int(ll.llama_n_ctx(self._ctx))
         self._memory = ll.llama_get_memory(self._ctx)
-        self._token_ids: list[int] = []
 
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    @property
-    def length(self) -> int:
-        """Number of tokens whose keys/values are held."""
-        return len(self._token_ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens held, in order (a copy)."""
-        return list(self._token_ids)
-
     def forward(self, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
         """Append ``token_ids`` and return float32 logits [1, V] after the last of them (``num_logits`` must be 1)."""
-        if not token_ids:
-            raise ValueError("forward needs at least one token")
+        self._check_forward(token_ids, num_logits)
         if num_logits != 1:
             raise ValueError("a llama.cpp context returns the logits of the last token only")
         if self.length + len(token_ids) > self.capacity:
@@ -155,14 +146,9 @@ class LlamaCppContext:
         logits = np.ctypeslib.as_array(pointer, shape=(self.model.vocab_size,))
         return torch.from_numpy(logits.copy())[None]  # [1, V]
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
-        """Append a long sequence (in batches of :data:`BATCH_TOKENS`); logits after it ([1, V]) or None."""
-        return self.forward(token_ids) if token_ids else None
-
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (rollback of rejected tokens)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a context of {self.length} tokens to {length}")
+        self._check_crop(length)
         self._ll.llama_memory_seq_rm(self._memory, 0, length, -1)
         del self._token_ids[length:]
 
