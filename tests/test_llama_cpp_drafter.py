@@ -171,3 +171,42 @@ def test_a_request_may_ask_for_the_other_backend(tiny_model, other_tiny_model, g
     assert "llama.cpp" in on_llama.stats.drafter and "llama.cpp" not in on_torch.stats.drafter
     assert on_llama.token_ids == on_torch.token_ids  # greedy, eta = 0: both equal lc
     assert on_llama.stats.accepted_per_position == on_torch.stats.accepted_per_position  # same weights, same drafts
+
+
+def test_bench_runs_the_llama_cpp_peer_and_lookup(tiny_model, ggufs):
+    """`rapidspec bench --modes ...,llama.cpp,lookup`: plain decoding of the target's GGUF beside the engine's modes."""
+    from rapidspec.evaluation import speed
+
+    target = replace(tiny_model, source=ggufs["self"])  # the target "was read" from this GGUF file
+    engine = Rapid(target, retrieval=RETRIEVAL, reuse_document_cache=True)
+    items = [speed.BenchItem(DOCUMENT, QUESTION)]
+    config = DecodeConfig(max_new_tokens=12, ignore_eos=True)
+    report = speed.run_benchmark(engine, items, ("lc", "rapid", "lookup", "llama.cpp"), config, repeats=2,
+                                 share_prefill=True)
+    rows = {r.label: r for r in report.results}
+    assert set(rows) == {"lc", "rapid", "lookup", "llama.cpp"}
+    peer = rows["llama.cpp"]
+    assert peer.new_tokens == 12 and peer.decode_tokens_per_second > 0 and peer.target_prefill_seconds > 0
+    assert peer.prompt_tokens_target == rows["lc"].prompt_tokens_target  # the same prompt tokens as lc
+    assert "llama.cpp" in report.drafter
+    assert report.to_dict()["results"][-1]["mode"] == "llama.cpp"
+
+
+def test_the_peer_needs_a_gguf_target(tiny_model):
+    from rapidspec.evaluation import speed
+
+    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
+    with pytest.raises(RapidspecError, match="runs the target's GGUF file"):
+        speed.run_benchmark(engine, [speed.BenchItem(DOCUMENT, QUESTION)], ("lc", "llama.cpp"),
+                            DecodeConfig(max_new_tokens=4), repeats=1)
+
+
+def test_cli_refuses_llama_cpp_without_a_gguf_in_one_line(tiny_model_dir, tmp_path, capsys):
+    from rapidspec.cli import main
+
+    document = tmp_path / "doc.txt"
+    document.write_text(DOCUMENT)
+    code = main(["generate", "--document", str(document), "--question", QUESTION, "--target", str(tiny_model_dir),
+                 "--drafter-backend", "llama.cpp", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "reads GGUF files" in err and "Traceback" not in err
