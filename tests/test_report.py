@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from rapidspec.cli import main
-from rapidspec.evaluation.report import group_length, load_records, speedups
+from rapidspec.evaluation.breakdown import group_length, speedups
+from rapidspec.evaluation.report import load_records
 
 
 def write_results(path, items: int = 6, model: str = "tiny", method: str = "bm25"):

@@ -27,7 +27,7 @@ from rapidspec.evaluation.variants import parse_eval_sweep
 
 # Decode options passed through to every generation when not at their defaults.
 _PASSED_THROUGH = ("gamma_schedule", "max_gamma", "draft_confidence", "top_k", "top_p", "draft_gate", "residual", "stop",
-                   "truncate", "ignore_eos", "sink_tokens", "streaming_tokens")
+                   "truncate", "ignore_eos", "sink_tokens", "streaming_tokens", "drafter_backend")
 
 
 def register(subparsers) -> None:

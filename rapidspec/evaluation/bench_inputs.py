@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rapidspec.config import MODES, DecodeConfig
+from rapidspec.drafting import USES_DRAFTER
 from rapidspec.errors import RapidspecError
 from rapidspec.prompts import PromptTemplate, prompt_ids
 
@@ -46,12 +47,30 @@ class Sweep:
 
 @dataclass(frozen=True)
 class Variant:
-    """One column of the benchmark: a mode and, for the engine's modes, its config."""
+    """One run per input, in ``bench`` (a column) and ``eval`` (a record key): a mode, its decode settings, its sweep point.
+
+    ``config`` is None for the peers run outside the engine (hf-assisted,
+    llama.cpp); ``sweep`` names the sweep point in eval records
+    (``"eta=5"``); ``budget_tokens`` is the retrieval budget the point uses
+    (None: the run's own).
+    """
 
     label: str
     mode: str
-    config: DecodeConfig | None = None  # None for the peers (hf-assisted, llama.cpp)
+    config: DecodeConfig | None = None
     sweep_value: float | int | None = None
+    sweep: str | None = None
+    budget_tokens: int | None = None
+
+    @property
+    def eta(self) -> float:
+        """The eta the run uses (0 outside rapid), as recorded in keys."""
+        return self.config.effective_eta if self.config is not None else 0.0
+
+    @property
+    def gamma(self) -> int | None:
+        """The gamma the run drafts with, None for modes that do not draft."""
+        return self.config.gamma if self.config is not None and self.mode in USES_DRAFTER else None
 
 
 def parse_modes(text: str | Sequence[str], allowed: Sequence[str] = BENCH_MODES, lc_first: bool = True) -> tuple[str, ...]:

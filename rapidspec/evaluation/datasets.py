@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rapidspec.errors import RapidspecError

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown, group_length, speedups  # noqa: F401
+from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown, speedups
 from rapidspec.evaluation.report_plots import plot_file
 from rapidspec.evaluation.runner import SummaryRow, read_records, summarize
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rapidspec.config import MODES
+from rapidspec.config import MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.bench_inputs import Sweep
 from rapidspec.evaluation.datasets import EvalItem
@@ -243,7 +243,9 @@ def run_eval(
     store = ResultsFile(results, config, overwrite=overwrite)
     done = store.keys()
 
-    wanted = [(item, variant) for item in items for variant in eval_variants(modes, eta, gamma, sweep)]
+    base = DecodeConfig(**{"mode": "rapid", "eta": eta, "gamma": gamma, "max_gamma": max(gamma, DecodeConfig.max_gamma),
+                           "temperature": temperature, "seed": seed, **decode_options})
+    wanted = [(item, variant) for item in items for variant in eval_variants(modes, base, sweep)]
     pending = [(item, v) for item, v in wanted if record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) not in done]
     engine = Rapid(target, drafter, retrieval=retrieval) if pending else None
     retrievers = {None: engine.retriever} if engine is not None else {}
@@ -263,15 +265,12 @@ def run_eval(
                     embedder=retrievers[None].loaded_embedder,
                 )
             engine.retriever = retrievers[variant.budget_tokens]
-            options = dict(
-                query=item.query, mode=mode, eta=variant.eta if mode == "rapid" else None, gamma=variant.gamma or gamma,
-                temperature=temperature, max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type],
-                seed=seed, **{**decode_options, **variant.decode_options},
-            )
+            run = variant.config.with_(max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type])
             if item.messages:  # chat form: the conversation so far is the long context
-                output = engine.chat(list(item.messages), **options)
+                output = engine.chat(list(item.messages), query=item.query, config=run)
             else:
-                output = engine.generate(item.document, item.question, corpus=corpora.get(item.id), **options)
+                output = engine.generate(item.document, item.question, query=item.query, corpus=corpora.get(item.id),
+                                         config=run)
             metrics = score_prediction(item.task_type, output.text, item.answers, len(item.choices))
             record = {
                 "id": item.id, "group": item.group, "mode": mode, "eta": variant.eta, "gamma": variant.gamma,

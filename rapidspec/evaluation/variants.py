@@ -16,11 +16,10 @@ three times per item, and every record says which sweep point it belongs to.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from rapidspec.config import DEFAULT_RAPID_ETA
-from rapidspec.drafting import USES_DRAFTER, USES_RETRIEVAL
-from rapidspec.evaluation.bench_inputs import SWEEP_PARAMS, Sweep, parse_sweep
+from rapidspec.config import DecodeConfig
+from rapidspec.drafting import MODE_TABLE, USES_DRAFTER, USES_RETRIEVAL
+from rapidspec.evaluation.bench_inputs import SWEEP_PARAMS, Sweep, Variant, parse_sweep
 
 #: Knobs ``eval --sweep`` takes (name -> value type).
 EVAL_SWEEP_PARAMS = {**SWEEP_PARAMS, "draft_gate": float, "budget_tokens": int, "streaming_tokens": int}
@@ -40,40 +39,25 @@ def parse_eval_sweep(text: str) -> Sweep:
     return parse_sweep(text, EVAL_SWEEP_PARAMS)
 
 
-@dataclass(frozen=True)
-class EvalVariant:
-    """One run per item: a mode with its effective eta and gamma, and a sweep point (or none)."""
+def eval_variants(modes: Sequence[str], base: DecodeConfig, sweep: Sweep | None = None) -> list[Variant]:
+    """The runs of one item, mode by mode (each mode's sweep points together), from the run's ``base`` settings.
 
-    mode: str
-    eta: float  # effective: 0 outside rapid
-    gamma: int | None  # None for modes that do not draft
-    sweep: str | None = None  # "eta=5", "budget_tokens=512", ... or None
-    decode_options: dict = field(default_factory=dict)  # DecodeConfig fields this point changes
-    budget_tokens: int | None = None  # the retrieval budget this point uses (None: the run's own)
-
-
-def mode_eta_gamma(mode: str, eta: float | None, gamma: int) -> tuple[float, int | None]:
-    """The (eta, gamma) a mode actually runs with, as recorded in keys."""
-    effective_eta = (DEFAULT_RAPID_ETA if eta is None else float(eta)) if mode == "rapid" else 0.0
-    return effective_eta, (gamma if mode in USES_DRAFTER else None)
-
-
-def eval_variants(modes: Sequence[str], eta: float | None, gamma: int, sweep: Sweep | None = None) -> list[EvalVariant]:
-    """The runs of one item, mode by mode (each mode's sweep points together)."""
+    ``base.eta`` applies to ``rapid`` only; the other modes run with eta = 0.
+    """
     out = []
     for mode in modes:
-        base_eta, base_gamma = mode_eta_gamma(mode, eta, gamma)
+        config = base.with_(mode=mode, eta=base.eta if MODE_TABLE[mode].eta else None)
         if sweep is None or mode not in SWEEP_APPLIES_TO[sweep.param]:
-            out.append(EvalVariant(mode, base_eta, base_gamma))
+            out.append(Variant(mode, mode, config))
             continue
         for value in sweep.values:
             label = f"{sweep.param}={value:g}"
-            if sweep.param == "eta":
-                out.append(EvalVariant(mode, float(value), base_gamma, label))
+            if sweep.param == "budget_tokens":
+                point = Variant(f"{mode} {label}", mode, config, value, label, budget_tokens=int(value))
             elif sweep.param == "gamma":
-                out.append(EvalVariant(mode, base_eta, int(value), label))
-            elif sweep.param == "budget_tokens":
-                out.append(EvalVariant(mode, base_eta, base_gamma, label, budget_tokens=int(value)))
+                point = Variant(f"{mode} {label}", mode, config.with_(gamma=int(value), max_gamma=max(config.max_gamma, int(value))),
+                                value, label)
             else:
-                out.append(EvalVariant(mode, base_eta, base_gamma, label, {sweep.param: value}))
+                point = Variant(f"{mode} {label}", mode, config.with_(**{sweep.param: value}), value, label)
+            out.append(point)
     return out
