@@ -312,7 +312,7 @@ class Rapid:
         device = self.target.model.device
         if kind == "lookup":
             stats.drafter = "lookup"
-            return LookupDrafter(list(prompts.drafter_ids), logit_width(self.target.model), device)
+            return LookupDrafter(list(prompts.drafter_ids), self.vocab_size, device)
         pool = self.drafters(config.drafter_backend)
         stats.drafter = pool.label
         room = config.max_new_tokens + config.max_gamma + 2
@@ -325,6 +325,7 @@ class Rapid:
         assembler = TextAssembler(self.tokenizer, config.stop)
         sync = profile or config.gamma_schedule == "cost"  # the cost schedule needs exact step times
         stop_tokens = frozenset() if config.ignore_eos else self.eos_token_ids
+        vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits over the same tokens
         rules = {"eta": config.effective_eta, "alpha": config.draft_gate, "temperature": config.temperature,
                  "top_k": config.top_k, "top_p": config.top_p, "residual": config.residual, "generator": generator}
         started = time.perf_counter()
@@ -339,7 +340,7 @@ class Rapid:
             # 3 verify: one target forward over [pending, x_1..x_k]
             t1 = time.perf_counter()
             fed = target_seq[target_cache.length :] + proposal.tokens
-            target_logits = target_cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, : self.vocab_size]
+            target_logits = target_cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, :vocab]
             if sync:
                 _sync(target_cache.device)
             # 4 accept
