@@ -122,3 +122,17 @@ def test_generate_magicdec_on_a_saved_model(document, tiny_model_dir, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and result["mode"] == "magicdec"
     assert result["stats"]["prompt_tokens_drafter"] == 64 < result["stats"]["prompt_tokens_target"]
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tiny_model_dir, document):
+    """`rapidspec generate ... | head`: the pipe closes before the answer is written."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "rapidspec", "generate", "--document", str(document), "--question", "Cat?",
+               "--target", str(tiny_model_dir), "--max-new-tokens", "8", "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before the first byte
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err

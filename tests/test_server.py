@@ -120,7 +120,6 @@ BAD_BODIES = [
     ('{"model": "tiny", "messages": [', "json_invalid", None),
     ({"model": "tiny"}, "missing", "messages"),
     ({"model": "tiny", "messages": "hello"}, None, "messages"),
-    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, "model_not_found", "model"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, None, "n"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, None, "max_tokens"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9},
@@ -154,6 +153,28 @@ def test_bad_input_is_a_400_with_openai_error_schema(server, body, code, param, 
         assert error["code"] == code
     if param is not None:
         assert error["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unknown_model_is_a_404_as_openai_answers(server, stream):
+    body = {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+
+
+def test_null_means_the_default_for_every_optional_field(client):
+    """OpenAI clients send null for "default"; none of them may fail the request."""
+    nulls = {name: None for name in ("temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
+                                     "metadata", "store", "frequency_penalty", "presence_penalty", "logprobs",
+                                     "max_completion_tokens", "mode", "eta", "gamma", "gamma_schedule", "max_gamma",
+                                     "draft_confidence", "top_k", "draft_gate", "residual", "ignore_eos", "truncate",
+                                     "sink_tokens", "streaming_tokens", "drafter_backend", "documents", "query",
+                                     "recent_messages", "retrieval", "budget_tokens", "chunk_tokens")}
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                         extra_body=nulls)
+    assert out.choices[0].message.content is not None and out.usage.completion_tokens <= 3
 
 
 def test_truncate_option_lets_a_long_prompt_through(client):

@@ -102,7 +102,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         """The status and OpenAI error body of a failed generation, counted in the metrics."""
         if isinstance(err, RapidspecError):
             metrics.failed("bad_request")
-            return 400, error_body(str(err), "invalid_request_error", err.param, err.code)
+            status = 404 if err.code == "model_not_found" else 400  # OpenAI's status for an unknown model
+            return status, error_body(str(err), "invalid_request_error", err.param, err.code)
         metrics.failed("internal_error")
         return 500, error_body("internal server error (see the server's log)", "internal_error", None, "internal_error")
 

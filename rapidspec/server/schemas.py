@@ -5,7 +5,7 @@ Standard OpenAI fields keep their names (``max_tokens``, ``stop``, ``seed``,
 options are extra top-level fields with the CLI's names (``mode``, ``eta``,
 ``gamma``, ``draft_confidence``, ``top_k``, ``ignore_eos``, ``retrieval``,
 ``budget_tokens``, ...), which the ``openai`` client sends with
-``extra_body``. A field left out takes the server's default (the options
+``extra_body``. A field left out or sent as ``null`` takes the server's default (the options
 ``rapidspec serve`` was started with). Unknown fields are refused, so a
 misspelt option never goes unnoticed; a few OpenAI fields that change nothing
 here (``user``, ``metadata``, ``store``...) are accepted and ignored.
@@ -40,10 +40,10 @@ class GenerationRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     # accepted, no effect here
     user: str | None = None
@@ -77,9 +77,11 @@ class GenerationRequest(BaseModel):
 
     def decode_config(self, base: DecodeConfig) -> DecodeConfig:
         """``base`` with the fields this request sets (RapidspecError when they do not combine)."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise RapidspecError("only n = 1 is supported", param="n")
-        changes = {name: getattr(self, name) for name in self.model_fields_set & _DECODE_FIELDS}
+        # null means "the default", as OpenAI clients send it
+        changes = {name: getattr(self, name) for name in self.model_fields_set & _DECODE_FIELDS
+                   if getattr(self, name) is not None}
         max_tokens = self.max_completion_tokens or self.max_tokens
         if max_tokens is not None:
             changes["max_new_tokens"] = max_tokens
