@@ -78,10 +78,14 @@ class Worker:
         return self._running
 
     def submit(self, work: Work) -> Job:
-        """Queue ``work``; raises :class:`QueueFull` when ``max_queue`` jobs already wait."""
+        """Queue ``work``; raises :class:`QueueFull` when ``max_queue`` jobs already wait.
+
+        A job that finds the engine free never waits, so ``max_queue = 0``
+        means no waiting line: a request is taken only when the engine is free.
+        """
         job = Job(work, asyncio.get_running_loop())
         with self._lock:
-            if self._waiting >= self.max_queue:
+            if self._waiting + self._running > self.max_queue:
                 raise QueueFull(f"{self._waiting} requests are waiting (the bound is {self.max_queue})")
             self._waiting += 1
         self._jobs.put(job)

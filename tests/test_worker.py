@@ -1,0 +1,39 @@
+"""The engine's worker: at most ``max_queue`` jobs wait; 0 means a job is taken only when the engine is free."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from rapidspec.server.worker import QueueFull, Worker
+
+
+@pytest.mark.parametrize("max_queue", [0, 2])
+def test_max_queue_counts_waiting_jobs_only(max_queue):
+    async def scenario():
+        worker = Worker(max_queue)
+        release = threading.Event()
+
+        def hold(emit, cancelled):
+            release.wait(10)
+
+        try:
+            first = worker.submit(hold)  # the engine is free: taken at once, whatever the bound
+            for _ in range(200):  # bounded: until the worker thread runs it
+                if worker.running:
+                    break
+                await asyncio.sleep(0.01)
+            assert worker.running == 1
+            for _ in range(max_queue):
+                worker.submit(hold)
+            with pytest.raises(QueueFull):
+                worker.submit(hold)
+            assert worker.waiting == max_queue
+        finally:
+            release.set()
+            worker.stop(10)
+        return first
+
+    assert asyncio.run(scenario()) is not None
