@@ -17,6 +17,8 @@ from rapidspec.errors import RapidspecError
 
 Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
 GAMMA_SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "cost")
+#: Smallest temperature that samples; below it logits / T overflow (0 is greedy).
+MIN_TEMPERATURE = 1e-5
 
 #: Chosen from the dev studies (docs/quality.md, "The defaults and their evidence"): with self-speculation
 #: (the default drafter) eta = 5 scored above 2 on the built-in needle tasks and on QuALITY with Qwen 1.5B;
@@ -100,6 +102,10 @@ class DecodeConfig:
             raise RapidspecError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise RapidspecError(f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T would overflow to inf
+            raise RapidspecError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature:g}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise RapidspecError(f"seed must be an integer in [0, 2**64), got {self.seed}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise RapidspecError(f"top_k must be an integer >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

@@ -133,6 +133,8 @@ BAD_BODIES = [
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, None, "messages[0].role"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, None, "temperature"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "drafter_backend": "vllm"}, None, "drafter_backend"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, None, "seed"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e-40}, None, "temperature"),
     # the tiny target has no GGUF file for llama.cpp to read
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "drafter_backend": "llama.cpp"}, None, None),
 ]
