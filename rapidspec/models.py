@@ -34,6 +34,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 from contextlib import contextmanager
@@ -189,10 +190,14 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
     logger.info("converting GGUF %s (once; cached in %s)", gguf_path, target)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError, OSError, struct.error, EOFError) as exc:  # a truncated or foreign file
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RapidspecError(f"cannot read the GGUF file {gguf_path}: {first_line}") from None
 
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(target)
@@ -326,6 +331,10 @@ def load_model(
     else:
         model, tokenizer = _load_pretrained(source, torch_dtype, torch_device, device_map, attention)
 
+    reason = sliding_window_reason(model.config)
+    if reason is not None:
+        raise RapidspecError(f"cannot use {name}: {reason}, whose cache rapidspec cannot roll back yet; "
+                             "use a model with full attention")
     if quantize != "none":
         logger.info("%s weights for %d linear layers of %s", quantize, quantize_linears(model, quantize), name)
     param = next(model.parameters())
@@ -357,6 +366,17 @@ def _quantize_option():
         yield
     except QuantizationError as err:
         raise RapidspecError(str(err)) from None
+
+
+def sliding_window_reason(config) -> str | None:
+    """Why a model's attention is a sliding window shorter than its context (Mistral, Gemma 2/3, ...), or None."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if "sliding_attention" in layer_types or (not layer_types and window and (not context or window < context)):
+        return f"it uses sliding-window attention ({window} tokens)"
+    return None
 
 
 def _lean_forward(model, runtime: str, name: str, split: bool = False):

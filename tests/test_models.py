@@ -388,3 +388,28 @@ def test_builtin_cache_matches_direct_gguf_load(builtin_float32):
     check_same_vocabulary(direct_tokenizer, builtin_float32.tokenizer)
     assert torch.equal(logits(direct, ids), logits(builtin_float32.model, ids))
 
+
+
+@pytest.mark.parametrize("content", [b"GGUF\x03\x00\x00\x00garbage", b"not a gguf file at all, just text" * 3])
+def test_a_corrupt_gguf_file_is_one_line(tmp_path, content):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    with pytest.raises(RapidspecError, match="cannot read the GGUF file"):
+        load_model(str(path))
+
+
+def test_sliding_window_models_are_refused_in_one_line(tmp_path, byte_tokenizer):
+    """Their caches cannot be cropped past the window: refused at load until they are supported."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config
+
+    from rapidspec.models import sliding_window_reason
+
+    assert sliding_window_reason(Qwen2Config()) is None  # use_sliding_window is off, as in Qwen2.5
+    assert sliding_window_reason(MistralConfig(sliding_window=None)) is None
+    assert "sliding-window" in sliding_window_reason(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0))
+    config = MistralConfig(vocab_size=len(byte_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=64, max_position_embeddings=256)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    byte_tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(RapidspecError, match="sliding-window attention"):
+        load_model(str(tmp_path))
