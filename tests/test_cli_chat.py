@@ -68,6 +68,19 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(tiny_model):
     assert chat.messages == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "partial"}]
 
 
+def test_ctrl_c_during_the_prefill_leaves_no_empty_turn(tiny_model):
+    engine = Rapid(tiny_model, retrieval=RETRIEVAL)
+
+    def interrupted(messages, **options):
+        raise KeyboardInterrupt
+        yield  # a generator that stops before its first chunk
+
+    engine.stream_chat = interrupted
+    chat, out = session(engine, ["hello", "/exit"])
+    chat.loop()
+    assert chat.messages == [] and "not kept" in out.getvalue()
+
+
 def test_documents_are_the_long_context(tiny_model):
     engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128))
     chat, out = session(engine, ["What was planted?"], documents=[LONG_TURN * 3])

@@ -164,6 +164,10 @@ class ChatSession:
             self.console.print(f"[red]error: {escape(str(err))}[/]")
             return
         text = output.text if output is not None else "".join(shown)
+        if stopped and not text:  # stopped during the prefill: no answer, so the question leaves the history too
+            self.messages.pop()
+            self.console.print("\n[dim](stopped before the answer began; the question was not kept)[/]")
+            return
         self.messages.append({"role": "assistant", "content": text})
         self.console.print()
         if stopped:
