@@ -357,19 +357,19 @@ class Rapid:
                                        time.perf_counter() - t2 - bonus, len(fed))
                 stats.add_round(measured)
                 schedule.record(measured)
-            # 5 commit: stop at EOS and at max_new_tokens, then roll back the caches
+            # 5 commit: stop at EOS, a stop string and max_new_tokens, then roll back the caches
             emitted, finished = self._cut(emitted, remaining, stop_tokens)
+            text, stopped = assembler.add(emitted)
+            if stopped:
+                emitted, finished = emitted[: assembler.kept], "stop"  # no tokens after the stop string
+            elif finished:
+                text += assembler.flush()
             target_seq.extend(emitted)
             target_cache.crop(min(target_cache.length, len(target_seq) - 1))
             if drafter is not None:
                 drafter.commit(emitted)
             if observer is not None:
                 observer(target_cache, target_seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
-            text, stopped = assembler.add(emitted)
-            if stopped:
-                finished = "stop"
-            elif finished:
-                text += assembler.flush()
             if text or emitted:
                 yield StreamChunk(text=text, token_ids=tuple(emitted))
             if finished:

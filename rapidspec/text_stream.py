@@ -2,7 +2,11 @@
 
 Text is released only when it is final: a trailing partial UTF-8 character
 (decoded as U+FFFD) or a suffix that could be the start of a stop string is
-held back until the next tokens decide it.
+held back until the next tokens decide it. Decoding never applies the
+tokenizer's clean-up of spaces, which can rewrite earlier text as tokens
+arrive; so the streamed text only grows and equals the final text. A stop
+string ends the answer at its first character, and the tokens after the one
+that completed it are dropped (:attr:`TextAssembler.kept`).
 """
 
 from __future__ import annotations
@@ -19,29 +23,37 @@ class TextAssembler:
         self._token_ids: list[int] = []
         self._released = ""
         self._final: str | None = None
+        self.kept = 0  # tokens of the last ``add`` that belong to the answer (fewer after a stop string)
 
     @property
     def text(self) -> str:
         """The whole answer so far (final once stopped or flushed)."""
         return self._final if self._final is not None else self._decoded()
 
-    def _decoded(self) -> str:
-        return self.tokenizer.decode(self._token_ids, skip_special_tokens=True)
+    def _decoded(self, token_ids: Sequence[int] | None = None) -> str:
+        ids = self._token_ids if token_ids is None else token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _release(self, upto: str) -> str:
-        if not upto.startswith(self._released):
-            return ""  # the decoder revised earlier text; the final text will still be exact
+        # Only ever the text past what was released: should a decoder still revise earlier text, the
+        # stream goes on (the client keeps its version of the revised part) instead of stalling.
         new = upto[len(self._released) :]
         self._released = upto
         return new
 
     def add(self, token_ids: Sequence[int]) -> tuple[str, bool]:
         """Add tokens; return (text now safe to show, whether a stop string was hit)."""
+        before = len(self._token_ids)
         self._token_ids.extend(token_ids)
+        self.kept = len(token_ids)
         full = self._decoded()
         hits = [full.find(s) for s in self.stop if s in full]
         if hits:
             self._final = full[: min(hits)]
+            # the fewest new tokens whose text already holds a stop string; the rest are not part of the answer
+            self.kept = next(n for n in range(1, len(token_ids) + 1)
+                             if any(s in self._decoded(self._token_ids[: before + n]) for s in self.stop))
+            del self._token_ids[before + self.kept :]
             return self._release(self._final), True
         safe = full.rstrip("\ufffd")
         hold = 0

@@ -85,12 +85,17 @@ def test_seed_determinism(tiny_model, other_tiny_model):
     assert runs[0] != runs[2]
 
 
-def test_stop_string_ends_generation(tiny_model, lc_output):
+@pytest.mark.parametrize("mode", ["lc", "sd"])
+def test_stop_string_ends_generation(tiny_model, lc_output, mode):
+    """The text ends before the stop string; the tokens end with the one that completed it (none after it)."""
     text = lc_output.text
     stop = text[10:13]
-    out = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40, stop=(stop,))
+    out = engine(tiny_model).generate(DOCUMENT, QUESTION, mode=mode, gamma=6, max_new_tokens=40, stop=(stop,))
     assert out.stats.stop_reason == "stop"
     assert out.text == text[: text.find(stop)]
+    decode = tiny_model.tokenizer.decode
+    assert stop in decode(out.token_ids) and stop not in decode(out.token_ids[:-1])
+    assert out.stats.new_tokens == len(out.token_ids) and out.token_ids == lc_output.token_ids[: len(out.token_ids)]
 
 
 def test_stats_are_consistent(tiny_model):
