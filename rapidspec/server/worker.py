@@ -42,6 +42,7 @@ class Job:
         self.submitted = time.perf_counter()
         self.started: float | None = None
         self._loop = loop
+        self._on_cancel: Callable[[Job], None] | None = None  # set by the worker that queued it
 
     def emit(self, kind: str, payload: object = None) -> None:
         """Post an event to the loop (callable from any thread; dropped once the loop is closed)."""
@@ -51,7 +52,10 @@ class Job:
             pass
 
     def cancel(self) -> None:
+        """Stop the job: a waiting one leaves the queue at once (its slot is free), a running one after its round."""
         self.cancelled.set()
+        if self._on_cancel is not None:
+            self._on_cancel(self)
 
 
 class Worker:
@@ -63,6 +67,7 @@ class Worker:
         self.max_queue = max_queue
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0
+        self._queued: set[Job] = set()  # submitted, not yet taken by the thread nor cancelled
         self._running = 0
         self._lock = threading.Lock()
         self._current: Job | None = None
@@ -88,8 +93,17 @@ class Worker:
             if self._waiting + self._running > self.max_queue:
                 raise QueueFull(f"{self._waiting} requests are waiting (the bound is {self.max_queue})")
             self._waiting += 1
+            self._queued.add(job)
+        job._on_cancel = self._leave_queue
         self._jobs.put(job)
         return job
+
+    def _leave_queue(self, job: Job) -> None:
+        """A job cancelled while it waits gives its slot back at once."""
+        with self._lock:
+            if job in self._queued:
+                self._queued.discard(job)
+                self._waiting -= 1
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what waits and what runs, and end the thread (after the running job's current round)."""
@@ -107,9 +121,7 @@ class Worker:
         self._thread.join(timeout)
 
     def _finish_unstarted(self, job: Job) -> None:
-        with self._lock:
-            self._waiting -= 1
-        job.cancel()
+        job.cancel()  # frees its slot
         job.emit("end")
 
     def _loop(self) -> None:
@@ -118,10 +130,11 @@ class Worker:
             if job is None:
                 return
             with self._lock:
-                self._waiting -= 1
-                if job.cancelled.is_set():
+                if job not in self._queued:  # cancelled while it waited: its slot is already free
                     job.emit("end")
                     continue
+                self._queued.discard(job)
+                self._waiting -= 1
                 self._running = 1
                 self._current = job
             job.started = time.perf_counter()
