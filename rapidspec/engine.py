@@ -90,7 +90,7 @@ class Rapid:
         if drafter is not None and not isinstance(drafter, str) and drafter is not target:
             check_same_vocabulary(target.tokenizer, drafter.tokenizer)
         self._drafter_source = drafter  # None, a loaded model, or a name (loaded on first torch use)
-        self.drafter_threads = drafter_threads or torch.get_num_threads()
+        self.drafter_threads = torch.get_num_threads() if drafter_threads is None else drafter_threads
         if self.drafter_threads < 1:
             raise RapidspecError(f"drafter_threads must be >= 1, got {drafter_threads}")
         self.template = template or PromptTemplate()
@@ -122,8 +122,10 @@ class Rapid:
 
     def drafters(self, backend: str):
         """The drafter pool of ``backend`` (``auto``: this engine's default), made on first use."""
-        backend = self.drafter_backend if backend == "auto" else choose_backend(backend, self.target, self._drafter_source)
-        if backend not in self._pools:
+        if backend == "auto":
+            backend = self.drafter_backend
+        if backend not in self._pools:  # checked once, when the pool is made (not on every request)
+            backend = choose_backend(backend, self.target, self._drafter_source)
             source = self._drafter_source
             name = "self" if source is None else getattr(source, "label", str(source))
             if backend == "llama.cpp":
@@ -345,7 +347,7 @@ class Rapid:
                 _sync(target_cache.device)
             # 4 accept
             t2 = time.perf_counter()
-            bonus_row = None if drafter is None else (lambda: drafter.bonus_row(config, stop_tokens))
+            bonus_row = None if drafter is None else (lambda: drafter.bonus_row(config, stop_tokens, sync))
             verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, bonus_row=bonus_row, **rules)
             emitted = proposal.tokens[: verdict.accepted] + [verdict.next_token]
             if drafter is not None:

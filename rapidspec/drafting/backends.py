@@ -15,7 +15,6 @@ against the target's token for token.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -24,15 +23,12 @@ from rapidspec.drafting.drafter import Drafter
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.cache import common_prefix_length
 
-logger = logging.getLogger(__name__)
-
 DRAFTER_BACKENDS: tuple[str, ...] = ("auto", "torch", "llama.cpp")
 
 
 class DrafterPool:
     """Makes drafters over caches of one kind and keeps the last closed cache for reuse (when ``keep``)."""
 
-    name = ""
     label = ""
     max_context = 0
     logit_width = 0
@@ -72,8 +68,6 @@ class DrafterPool:
 class TorchDrafters(DrafterPool):
     """Drafters over the runtime's torch caches of a loaded model (the target itself for self-speculation)."""
 
-    name = "torch"
-
     def __init__(self, loaded, prefill_chunk_tokens: int, label: str, keep: bool = True) -> None:
         from rapidspec.vocabulary import logit_width
 
@@ -92,8 +86,6 @@ class TorchDrafters(DrafterPool):
 
 class LlamaCppDrafters(DrafterPool):
     """Drafters over llama.cpp contexts of one GGUF file."""
-
-    name = "llama.cpp"
 
     def __init__(self, gguf_path: Path, threads: int, target_tokenizer, name: str, keep: bool = True) -> None:
         from rapidspec.runtime.llama_cpp import LlamaCppModel
@@ -153,10 +145,10 @@ def choose_backend(requested: str, target, drafter) -> str:
 
     if requested not in DRAFTER_BACKENDS:
         raise RapidspecError(f"drafter_backend must be one of {', '.join(DRAFTER_BACKENDS)}, got {requested!r}")
-    source = target if drafter is None else drafter
-    gguf = gguf_file(source)
     if requested == "torch":
         return "torch"
+    source = target if drafter is None else drafter
+    gguf = gguf_file(source)
     quantized = getattr(source, "quantization", "none") != "none" and drafter is not None
     if requested == "auto":
         usable = target.device.type == "cpu" and gguf is not None and not quantized and llama_cpp_available()

@@ -117,18 +117,19 @@ class Drafter:
             forwards += 1
         return Proposal(list(self._drafts), torch.stack(rows) if rows else None, forwards)
 
-    def bonus_row(self, config, stop_tokens: frozenset[int]) -> torch.Tensor | None:
+    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False) -> torch.Tensor | None:
         """The row at the position after the last draft ([V]), or None after a stopping draft.
 
         Feeding the last draft costs nothing extra when it is accepted: the
-        next round would feed it anyway.
+        next round would feed it anyway. ``sync``: wait for the device, so
+        :attr:`bonus_seconds` is exact (profiling, the ``cost`` schedule).
         """
         if self._drafts and self._drafts[-1] in stop_tokens:
             return None
         started = time.perf_counter()
         logits = self._next_logits((self.sequence + self._drafts)[self.cache.length :])
         row = draft_row(logits, config, self.target_device)
-        if self.device.type == "cuda":
+        if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.bonus_seconds = time.perf_counter() - started
         return row

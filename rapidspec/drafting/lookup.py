@@ -78,7 +78,7 @@ class LookupDrafter:
             rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return Proposal(tokens, rows, 0)
 
-    def bonus_row(self, config, stop_tokens: frozenset[int]) -> None:
+    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False) -> None:
         return None  # eta is 0 in mode lookup: p^ = p needs no q
 
     def commit(self, emitted: list[int]) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.items import TASK_TYPES, EvalItem  # noqa: F401  (public here too)
+from rapidspec.evaluation.items import EvalItem
 from rapidspec.evaluation.synthetic import synthetic_items
 from rapidspec.prompts import PromptTemplate
 

@@ -75,12 +75,9 @@ class LlamaCppModel:
         self._vocab = ll.llama_model_get_vocab(self._model)
         self.vocab_size = int(ll.llama_vocab_n_tokens(self._vocab))
         self.max_context = int(ll.llama_model_n_ctx_train(self._model))
-        self.description = ll.llama_model_desc_str(self._model) if hasattr(ll, "llama_model_desc_str") else self._desc()
-
-    def _desc(self) -> str:
         buffer = ctypes.create_string_buffer(256)
-        self._ll.llama_model_desc(self._model, buffer, len(buffer))
-        return buffer.value.decode("utf-8", "replace")
+        ll.llama_model_desc(self._model, buffer, len(buffer))
+        self.description = buffer.value.decode("utf-8", "replace")  # e.g. "llama 256M Q4_1"
 
     def token_texts(self, count: int | None = None) -> list[str]:
         """The text of the first ``count`` tokens of the vocabulary (all by default), as the GGUF stores it."""
