@@ -19,6 +19,12 @@ Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
 GAMMA_SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "cost")
 #: Smallest temperature that samples; below it logits / T overflow (0 is greedy).
 MIN_TEMPERATURE = 1e-5
+#: Upper bounds of the knobs that size memory or work, so no request can ask for gigabytes (a server's
+#: requests map onto these fields): drafted tokens per round, token counts, stop strings, top log-probs.
+MAX_GAMMA = 64
+MAX_TOKENS = 1 << 20
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
 
 #: Chosen from the dev studies (docs/quality.md, "The defaults and their evidence"): with self-speculation
 #: (the default drafter) eta = 5 scored above 2 on the built-in needle tasks and on QuALITY with Qwen 1.5B;
@@ -62,6 +68,17 @@ class DecodeConfig:
       ``max_new_tokens`` (benchmarks with a fixed answer length, as vLLM's).
     * ``truncate``: a document longer than the window is middle-truncated
       (``middle``) or refused (``error``).
+    * ``max_model_len``: the window (prompt and answer, in tokens) a
+      generation may use, at most the target's; None = the target's.
+    * ``time_limit_s``: seconds a generation may run (prefill included; the
+      queue of a server not counted): the answer ends there with stop reason
+      ``time``; a prefill that does not finish in time is an error. None = no limit.
+    * ``logprobs``: None = off; n >= 0 = report each answer token's
+      log-probability and the n most likely tokens at its position, under the
+      distribution the token follows (p, or p^ for ``rapid``; at temperature 1
+      without filters when greedy), at most 20.
+
+    Counts are bounded (:data:`MAX_GAMMA`, :data:`MAX_TOKENS`, :data:`MAX_STOP_STRINGS`).
     """
 
     mode: Mode = "rapid"
@@ -83,6 +100,9 @@ class DecodeConfig:
     sink_tokens: int = DEFAULT_SINK_TOKENS
     streaming_tokens: int = DEFAULT_STREAMING_TOKENS
     drafter_backend: Literal["auto", "torch", "llama.cpp"] = "auto"
+    max_model_len: int | None = None
+    time_limit_s: float | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,8 +112,8 @@ class DecodeConfig:
                 raise RapidspecError(f"eta must be a finite number >= 0, got {self.eta}")
             if self.eta > 0 and not MODE_TABLE[self.mode].eta:
                 raise RapidspecError(f"eta applies to mode 'rapid' only; mode {self.mode!r} uses eta = 0")
-        if not isinstance(self.gamma, int) or self.gamma < 1:
-            raise RapidspecError(f"gamma must be an integer >= 1, got {self.gamma}")
+        _check_count("gamma", self.gamma, 1, MAX_GAMMA)
+        _check_count("max_gamma", self.max_gamma, 1, MAX_GAMMA)
         if self.gamma_schedule not in GAMMA_SCHEDULES:
             raise RapidspecError(f"gamma_schedule must be one of {', '.join(GAMMA_SCHEDULES)}, got {self.gamma_schedule!r}")
         if self.max_gamma < self.gamma:
@@ -106,28 +126,29 @@ class DecodeConfig:
             raise RapidspecError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature:g}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise RapidspecError(f"seed must be an integer in [0, 2**64), got {self.seed}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RapidspecError(f"top_k must be an integer >= 0, got {self.top_k}")
+        _check_count("top_k", self.top_k, 0, MAX_TOKENS)
         if not (0.0 < self.top_p <= 1.0):
             raise RapidspecError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.draft_gate <= 1.0):
             raise RapidspecError(f"draft_gate must be in [0, 1], got {self.draft_gate}")
         if self.residual not in ("exact", "paper"):
             raise RapidspecError(f"residual must be 'exact' or 'paper', got {self.residual!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise RapidspecError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
-        if any(not s for s in self.stop):
-            raise RapidspecError("stop strings must not be empty")
+        _check_count("max_new_tokens", self.max_new_tokens, 1, MAX_TOKENS)
+        if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s or len(s) > 1000 for s in self.stop):
+            raise RapidspecError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most 1000 characters")
         if self.truncate not in ("middle", "error"):
             raise RapidspecError(f"truncate must be 'middle' or 'error', got {self.truncate!r}")
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            raise RapidspecError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens}")
-        if not isinstance(self.streaming_tokens, int) or self.streaming_tokens < self.sink_tokens + 16:
-            raise RapidspecError(
-                f"streaming_tokens must be an integer >= sink_tokens + 16 ({self.sink_tokens + 16}), got {self.streaming_tokens}"
-            )
+        _check_count("sink_tokens", self.sink_tokens, 0, MAX_TOKENS)
+        _check_count("streaming_tokens", self.streaming_tokens, self.sink_tokens + 16, MAX_TOKENS)
         if self.drafter_backend not in DRAFTER_BACKENDS:
             raise RapidspecError(f"drafter_backend must be one of {', '.join(DRAFTER_BACKENDS)}, got {self.drafter_backend!r}")
+        if self.max_model_len is not None:
+            _check_count("max_model_len", self.max_model_len, 32, MAX_TOKENS)
+        if self.time_limit_s is not None and (isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, (int, float))
+                                              or not math.isfinite(self.time_limit_s) or self.time_limit_s <= 0):
+            raise RapidspecError(f"time_limit_s must be a number of seconds > 0 or None, got {self.time_limit_s!r}")
+        if self.logprobs is not None:
+            _check_count("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
@@ -149,3 +170,8 @@ class DecodeConfig:
     def with_(self, **changes) -> "DecodeConfig":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def _check_count(name: str, value: object, minimum: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise RapidspecError(f"{name} must be an integer in [{minimum}, {maximum}], got {value!r}")

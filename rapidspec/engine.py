@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -34,10 +34,12 @@ from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters, choose_
 from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.errors import RapidspecError
 from rapidspec.gamma_schedule import GammaSchedule, new_schedule
+from rapidspec.logprobs import TokenLogprob, round_logprobs
 from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
 from rapidspec.prefix_cache import GIB, PrefixCache
 from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts, with_streaming_drafter
 from rapidspec.runtime import new_kv_cache
+from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.stats import GenerationStats, RoundRecord
 from rapidspec.text_stream import TextAssembler
 from rapidspec.vocabulary import check_same_vocabulary, eos_token_ids, logit_width
@@ -225,6 +227,7 @@ class Rapid:
         profile: bool = False,
         observer=None,
         schedule: GammaSchedule | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[StreamChunk]:
         """Prefill and decode ``prompts`` (from :meth:`document_prompts` or :meth:`chat_prompts`).
 
@@ -233,7 +236,11 @@ class Rapid:
         target_seq, drafter_cache, drafter_seq)`` is called after every round's
         rollback (read only; the drafter's cache is None for ``lookup``);
         ``schedule`` replaces the gamma schedule the config names
-        (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops after the current round.
+        (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops after the current round;
+        ``should_stop()`` is asked between the target's prefill chunks, and when it says yes the
+        prefill ends with :class:`~rapidspec.runtime.errors.PrefillStopped` (a server's cancelled request).
+        ``config.time_limit_s`` ends the answer with stop reason ``time`` (a RapidspecError when the
+        prefill alone takes longer).
         """
         stats = GenerationStats.starting(config, prompts)
         target_device = self.target.model.device
@@ -241,12 +248,24 @@ class Rapid:
             generator = torch.Generator(device=target_device)
             generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
 
+        deadline = None if config.time_limit_s is None else time.monotonic() + config.time_limit_s
+
+        def out_of_time() -> bool:
+            return deadline is not None and time.monotonic() > deadline
+
         with torch.inference_mode():
             # 1 prefill
             target_seq = list(prompts.target_ids)
             started = time.perf_counter()
             use_store = self.reuse_document_cache and not prompts.target_reads_retrieved
-            target_cache = self._prefill_target(target_seq, stats, use_store)
+            try:
+                target_cache = self._prefill_target(
+                    target_seq, stats, use_store, lambda: out_of_time() or (should_stop is not None and should_stop()))
+            except PrefillStopped:
+                if out_of_time():
+                    raise RapidspecError(f"the prefill of {len(target_seq)} prompt tokens did not finish within "
+                                         f"time_limit_s={config.time_limit_s:g}", code="time_limit_exceeded") from None
+                raise
             _sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
             started = time.perf_counter()
@@ -261,7 +280,7 @@ class Rapid:
             try:
                 yield from self._decode(
                     config, stats, generator, target_cache, target_seq, drafter, prompts, profile, observer,
-                    schedule or new_schedule(config),
+                    schedule or new_schedule(config), out_of_time,
                 )
                 consistent = True
             except GeneratorExit:
@@ -286,16 +305,18 @@ class Rapid:
     # ------------------------------------------------------------ internals
     def _windows(self, config: DecodeConfig) -> tuple[int, int]:
         """Prompt tokens that fit the target's and the drafter's windows with the answer."""
-        target_window = self.target.max_context - config.max_new_tokens
+        window = min(self.target.max_context, config.max_model_len or self.target.max_context)
+        target_window = window - config.max_new_tokens
         if target_window < 16:
             raise RapidspecError(f"max_new_tokens={config.max_new_tokens} leaves no room for the prompt in the "
-                                 f"{self.target.max_context}-token window", param="max_tokens", code="context_length_exceeded")
-        drafter_context = self.target.max_context
+                                 f"{window}-token window", param="max_tokens", code="context_length_exceeded")
+        drafter_context = window
         if MODE_TABLE[config.mode].drafter_kind == "model":
-            drafter_context = self.drafters(config.drafter_backend).max_context or drafter_context
+            drafter_context = self.drafters(config.drafter_backend).max_context or window
+            drafter_context = min(drafter_context, config.max_model_len or drafter_context)
         return target_window, max(16, drafter_context - config.max_new_tokens)
 
-    def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool):
+    def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, should_stop):
         """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix."""
         wanted = token_ids[:-1]
         cache = None
@@ -303,7 +324,7 @@ class Rapid:
             cache, stats.target_prefill_reused_tokens = self.prefix_cache.lookup(wanted)
         if cache is None:
             cache = new_kv_cache(self.target, self.prefill_chunk_tokens)
-        cache.prefill(wanted[cache.length :])
+        cache.prefill(wanted[cache.length :], should_stop)
         return cache
 
     def _start_drafter(self, prompts: PromptPair, config: DecodeConfig, stats: GenerationStats):
@@ -322,7 +343,8 @@ class Rapid:
         drafter, stats.drafter_prefill_reused_tokens = pool.start(prompts.drafter_ids, room, vocab, device)
         return drafter
 
-    def _decode(self, config, stats, generator, target_cache, target_seq, drafter, prompts, profile, observer, schedule):
+    def _decode(self, config, stats, generator, target_cache, target_seq, drafter, prompts, profile, observer, schedule,
+                out_of_time):
         prompt_length = len(target_seq)
         assembler = TextAssembler(self.tokenizer, config.stop)
         sync = profile or config.gamma_schedule == "cost"  # the cost schedule needs exact step times
@@ -330,6 +352,7 @@ class Rapid:
         vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits over the same tokens
         rules = {"eta": config.effective_eta, "alpha": config.draft_gate, "temperature": config.temperature,
                  "top_k": config.top_k, "top_p": config.top_p, "residual": config.residual, "generator": generator}
+        all_logprobs: list[TokenLogprob] = []
         started = time.perf_counter()
         while True:
             remaining = config.max_new_tokens - (len(target_seq) - prompt_length)
@@ -347,7 +370,9 @@ class Rapid:
                 _sync(target_cache.device)
             # 4 accept
             t2 = time.perf_counter()
-            bonus_row = None if drafter is None else (lambda: drafter.bonus_row(config, stop_tokens, sync))
+            bonus_rows: list = []  # the drafter's row at position k + 1 when verify asked for it
+            bonus_row = None if drafter is None else (
+                lambda: bonus_rows.append(drafter.bonus_row(config, stop_tokens, sync)) or bonus_rows[0])
             verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, bonus_row=bonus_row, **rules)
             emitted = proposal.tokens[: verdict.accepted] + [verdict.next_token]
             if drafter is not None:
@@ -364,8 +389,13 @@ class Rapid:
             text, stopped = assembler.add(emitted)
             if stopped:
                 emitted, finished = emitted[: assembler.kept], "stop"  # no tokens after the stop string
-            elif finished:
+            elif not finished and out_of_time():
+                finished = "time"
+            if finished and not stopped:
                 text += assembler.flush()
+            logprobs = () if config.logprobs is None or not emitted else round_logprobs(
+                target_logits, proposal.rows, bonus_rows[0] if bonus_rows else None, emitted, config, vocab)
+            all_logprobs.extend(logprobs)
             target_seq.extend(emitted)
             target_cache.crop(min(target_cache.length, len(target_seq) - 1))
             if drafter is not None:
@@ -373,7 +403,7 @@ class Rapid:
             if observer is not None:
                 observer(target_cache, target_seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
             if text or emitted:
-                yield StreamChunk(text=text, token_ids=tuple(emitted))
+                yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs)
             if finished:
                 break
         _sync(target_cache.device)
@@ -383,7 +413,8 @@ class Rapid:
         generated = tuple(target_seq[prompt_length:])
         if drafter is not None:
             assert tuple(drafter.sequence[len(prompts.drafter_ids) :]) == generated
-        output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns)
+        output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
+                                  None if config.logprobs is None else tuple(all_logprobs))
         yield StreamChunk(text="", token_ids=(), output=output)
 
     @staticmethod

@@ -19,6 +19,7 @@ class GenerationOutput:
     config: DecodeConfig
     retrieval: object | None = None  # rapidspec.retrieval.RetrievalResult for retrieving modes
     retrieved_turns: tuple[int, ...] = ()  # chat messages the drafter read from the history
+    logprobs: tuple | None = None  # TokenLogprob per answer token when DecodeConfig.logprobs is set
 
     def to_dict(self) -> dict:
         out = {
@@ -39,6 +40,7 @@ class StreamChunk:
     text: str
     token_ids: tuple[int, ...] = ()
     output: GenerationOutput | None = field(default=None, repr=False)
+    logprobs: tuple = ()  # TokenLogprob per token of token_ids when DecodeConfig.logprobs is set
 
 
 def last_output(chunks: Iterator[StreamChunk]) -> GenerationOutput:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 
 from rapidspec.cli.options import (
@@ -37,6 +38,22 @@ def register(subparsers) -> None:
                         help="earlier chat messages the drafter always reads verbatim (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM/Ctrl-C, seconds to let running requests finish before cancelling them (default: %(default)s)")
+    limits = parser.add_argument_group("limits (docs/serving.md, 'Limits')")
+    limits.add_argument("--api-key", default=None,
+                        help="clients must send 'Authorization: Bearer KEY' (401 otherwise; /health stays open); "
+                             "default: the RAPIDSPEC_API_KEY environment variable, else none")
+    limits.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024,
+                        help="larger request bodies get 413 (default: %(default)s = 16 MiB)")
+    limits.add_argument("--max-model-len", type=int, default=None,
+                        help="the window (prompt + answer, tokens) a request may use (default: the model's)")
+    limits.add_argument("--max-document-tokens", type=int, default=None,
+                        help="tokens a request's documents and messages may hold when it asks for truncation "
+                             "(default: 4 x the window)")
+    limits.add_argument("--request-time-limit", type=float, default=600.0,
+                        help="seconds of engine time per request (the queue not counted); the answer ends there "
+                             "with finish_reason length; 0 = no limit (default: %(default)s)")
+    limits.add_argument("--allowed-origins", default="",
+                        help="CORS: comma-separated origins browsers may call from, '*' for any (default: none, CORS off)")
     add_prefix_cache_option(parser)
     add_model_options(parser)
     add_decode_options(parser)
@@ -57,12 +74,19 @@ def run(args: argparse.Namespace) -> int:
         raise RapidspecError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0:
         raise RapidspecError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.request_time_limit < 0:
+        raise RapidspecError(f"--request-time-limit must be >= 0, got {args.request_time_limit}")
+    decode = decode_config(args).with_(max_model_len=args.max_model_len, time_limit_s=args.request_time_limit or None)
     config = ServerConfig(
         model_name=args.served_model_name or args.target,
-        decode=decode_config(args),
+        decode=decode,
         retrieval=retrieval_config(args),
         recent_messages=args.recent_messages,
         max_queue=args.max_queue,
+        api_key=args.api_key or os.environ.get("RAPIDSPEC_API_KEY") or None,
+        max_request_bytes=args.max_request_bytes,
+        max_document_tokens=args.max_document_tokens,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
     )
     engine = load_engine(args)
     app = create_app(engine, config)

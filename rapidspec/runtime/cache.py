@@ -21,10 +21,12 @@ next forward pass (``pending`` tokens).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, DynamicLayer
+
+from rapidspec.runtime.errors import PrefillStopped
 
 # Reserved room grows by this factor (and in multiples of ROOM_QUANTUM tokens).
 ROOM_GROWTH = 1.5
@@ -135,13 +137,18 @@ class HeldTokens:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+    def prefill(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
         """Append a long sequence in chunks (bounded activation memory).
 
         Returns the logits after the last token ([1, V]), or None for no tokens.
+        ``should_stop()`` is asked before every chunk after the first; when it
+        says yes, :class:`PrefillStopped` is raised (the cache then holds the
+        chunks done so far).
         """
         logits = None
         for start in range(0, len(token_ids), self.prefill_chunk_tokens):
+            if start and should_stop is not None and should_stop():
+                raise PrefillStopped(f"prefill stopped after {start} of {len(token_ids)} tokens")
             logits = self.forward(token_ids[start : start + self.prefill_chunk_tokens], num_logits=1)
         return logits
 

@@ -14,3 +14,7 @@ from __future__ import annotations
 
 class QuantizationError(ValueError):
     """An unknown or unusable quantisation method (one line, the user's to fix)."""
+
+
+class PrefillStopped(Exception):
+    """A chunked prefill was stopped between two chunks because its caller asked (cancelled, out of time)."""

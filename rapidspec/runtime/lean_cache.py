@@ -15,7 +15,7 @@ the transformers path's :class:`~rapidspec.runtime.cache.GrowableLayer` (by
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -69,10 +69,10 @@ class LeanKVCache(HeldTokens):
         self._token_ids.extend(int(t) for t in token_ids)
         return logits.float()  # [num_logits, V]
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+    def prefill(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
         """Append a long sequence in chunks (room reserved once); logits after the last token ([1, V]) or None."""
         self.reserve(self.length + len(token_ids))
-        return super().prefill(token_ids)
+        return super().prefill(token_ids, should_stop)
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (rollback of rejected tokens)."""

@@ -11,7 +11,7 @@ checks that the members exist, not their signatures.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -45,8 +45,11 @@ class KVCacheProtocol(Protocol):
         """
         ...
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
-        """Append a long sequence in chunks; the logits after its last token ([1, V]), or None for none."""
+    def prefill(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """Append a long sequence in chunks; the logits after its last token ([1, V]), or None for none.
+
+        ``should_stop()``, asked between chunks, ends it early with :class:`~rapidspec.runtime.errors.PrefillStopped`.
+        """
         ...
 
     def crop(self, length: int) -> None:

@@ -3,10 +3,15 @@
 Each generation request is checked (400 on a user mistake), queued on the
 :class:`~rapidspec.server.worker.Worker` (429 when the queue is full), and
 answered once the engine has built its prompts (so a prompt that does not fit
-the window is a 400 even when streaming). A client that goes away is noticed
-within ``disconnect_poll_seconds`` and its generation stops after the current
-round. Errors always use OpenAI's body ``{"error": {"message", "type",
-"param", "code"}}``; a bug is a 500 whose body has no traceback.
+the window is a 400 even when streaming). Before a request queues, its texts
+are sized up off the engine thread (:mod:`rapidspec.server.tokens`), so one
+that cannot fit is refused without holding the engine. A client that goes
+away is noticed within ``disconnect_poll_seconds``, streaming or not: a
+waiting request leaves the queue, a running one stops after the current round
+or between two prefill chunks. Limits (API key, body size, window, time per
+request, CORS) are :class:`ServerConfig` fields. Errors always use OpenAI's
+body ``{"error": {"message", "type", "param", "code"}}``; a bug is a 500 whose
+body has no traceback.
 """
 
 from __future__ import annotations
@@ -20,16 +25,22 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rapidspec.config import DecodeConfig
-from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, parse_messages
+from rapidspec import __version__
+from rapidspec.config import MAX_TOKENS, DecodeConfig
+from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, parse_documents, parse_messages
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
+from rapidspec.runtime.errors import PrefillStopped
+from rapidspec.server.limits import RequestGuard
 from rapidspec.server.metrics import ServerMetrics
 from rapidspec.server.responses import FINISH_REASONS, Reply, error_body, error_response, sse
-from rapidspec.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from rapidspec.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
+                                      TokenizeRequest)
+from rapidspec.server.tokens import ServerTokens
 from rapidspec.server.worker import Job, QueueFull, Worker
 
 logger = logging.getLogger(__name__)
@@ -37,14 +48,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Server settings; ``decode`` and ``retrieval`` (None: the engine's) are the defaults of every request."""
+    """Server settings; ``decode`` and ``retrieval`` (None: the engine's) are the defaults of every request.
+
+    ``decode.max_model_len`` and ``decode.time_limit_s`` are the window and the
+    seconds each request may use (requests cannot change them). ``api_key``:
+    None = open; ``max_request_bytes``: larger bodies get 413;
+    ``max_document_tokens``: what a request's texts may hold when it asks for
+    truncation (None = 4 windows); ``allowed_origins``: CORS (empty = off,
+    ``("*",)`` = any).
+    """
 
     model_name: str
-    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(truncate="error"))
+    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(truncate="error", time_limit_s=600.0))
     retrieval: RetrievalConfig | None = None
     recent_messages: int = DEFAULT_RECENT_MESSAGES
     max_queue: int = 16
     disconnect_poll_seconds: float = 0.5
+    api_key: str | None = None
+    max_request_bytes: int = 16 * 1024 * 1024
+    max_document_tokens: int | None = None
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -53,6 +76,13 @@ class ServerConfig:
             raise RapidspecError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.recent_messages < 0:
             raise RapidspecError(f"recent_messages must be >= 0, got {self.recent_messages}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise RapidspecError("the API key is empty")
+        if not 1024 <= self.max_request_bytes <= 1 << 31:
+            raise RapidspecError(f"max_request_bytes must be in [1024, 2**31], got {self.max_request_bytes}")
+        if self.max_document_tokens is not None and not 1 <= self.max_document_tokens <= MAX_TOKENS:
+            raise RapidspecError(f"max_document_tokens must be in [1, {MAX_TOKENS}], got {self.max_document_tokens}")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
 
 
 class _Cancelled(Exception):
@@ -61,9 +91,13 @@ class _Cancelled(Exception):
 
 def create_app(engine, config: ServerConfig) -> FastAPI:
     """The app serving ``engine`` (a :class:`rapidspec.Rapid`); see docs/serving.md."""
+    window = config.decode.max_model_len or engine.target.max_context
+    if window > engine.target.max_context:
+        raise RapidspecError(f"max_model_len={window} exceeds the model's {engine.target.max_context}-token window")
     worker = Worker(config.max_queue)
     metrics = ServerMetrics(config.model_name, waiting=lambda: worker.waiting, running=lambda: worker.running)
     retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()  # used on the worker thread only
+    tokens = ServerTokens(engine.tokenizer, config.max_document_tokens or 4 * window)
     started = int(time.time())
 
     @asynccontextmanager
@@ -71,8 +105,13 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         yield
         await asyncio.to_thread(worker.stop)
 
-    app = FastAPI(title="rapidspec", lifespan=lifespan)
+    app = FastAPI(title="rapidspec", version=__version__, lifespan=lifespan)
     app.state.engine, app.state.worker, app.state.metrics = engine, worker, metrics
+    app.add_middleware(RequestGuard, api_key=config.api_key, max_request_bytes=config.max_request_bytes,
+                       refused=metrics.failed)
+    if config.allowed_origins:  # outside the guard: CORS preflights need no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
 
     def retriever_for(wanted: RetrievalConfig) -> Retriever:
         if wanted == engine.retriever.config:
@@ -142,7 +181,26 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": started,
-                                            "owned_by": "rapidspec", "max_model_len": engine.target.max_context}]}
+                                            "owned_by": "rapidspec", "max_model_len": window}]}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        messages = None if body.messages is None else parse_messages(body.messages)
+        ids = await asyncio.to_thread(tokens.tokenize, body.prompt, messages, body.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": window, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = await asyncio.to_thread(tokens.token_texts, ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        return {"prompt": await asyncio.to_thread(tokens.detokenize, body.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -153,31 +211,43 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         return await generate(body, request, [{"role": "user", "content": body.prompt_text()}], chat=False)
 
     # ------------------------------------------------------------ generation
+    def check_model(name: str | None) -> None:
+        if name is not None and name != config.model_name:
+            raise RapidspecError(f"the model {name!r} is not served here; this server serves "
+                                 f"{config.model_name!r}", param="model", code="model_not_found")
+
     async def generate(body: GenerationRequest, request: Request, messages, chat: bool):
         arrived = time.perf_counter()
-        if body.model is not None and body.model != config.model_name:
-            raise RapidspecError(f"the model {body.model!r} is not served here; this server serves "
-                                 f"{config.model_name!r}", param="model", code="model_not_found")
+        check_model(body.model)
+        if body.unknown_fields:
+            logger.warning("ignored request fields no schema defines: %s", ", ".join(body.unknown_fields))
         decode = body.decode_config(config.decode)
         retrieval = body.retrieval_config(config.retrieval or engine.retriever.config)
         messages = parse_messages(messages)
+        documents = parse_documents(body.documents)
         recent = config.recent_messages if body.recent_messages is None else body.recent_messages
+        await asyncio.to_thread(tokens.check_fits, messages, documents, decode.truncate, window)
 
         def work(emit, cancelled) -> None:
-            prompts = engine.chat_prompts(messages, decode, documents=body.documents, query=body.query,
+            prompts = engine.chat_prompts(messages, decode, documents=documents, query=body.query,
                                           recent_messages=recent, raw=not chat, retriever=retriever_for(retrieval))
+            if cancelled.is_set():
+                return
             emit("ready", None)
-            stream = engine.decode(prompts, decode)
+            stream = engine.decode(prompts, decode, should_stop=cancelled.is_set)
             try:
                 for chunk in stream:
                     if cancelled.is_set():
                         return
                     emit("chunk", chunk)
+            except PrefillStopped:  # cancelled between two prefill chunks
+                return
             finally:
                 stream.close()
 
         job = worker.submit(work)
-        reply = Reply(chat, config.model_name)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        reply = Reply(chat, config.model_name, include_usage, tokens.token_texts if decode.logprobs is not None else None)
         try:
             kind, payload = await next_event(job, request)  # "ready" once the prompts are built
         except _Cancelled:
@@ -187,10 +257,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
             raise payload
         if kind == "end":
             return shutting_down()
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return StreamingResponse(stream_events(job, request, reply, arrived, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream_events(job, request, reply, arrived), media_type="text/event-stream")
         output = None
         try:
             while (event := await next_event(job, request))[0] == "chunk":
@@ -211,7 +279,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         metrics.failed("cancelled")
         return error_response(503, "the server is shutting down", "server_error", None, "shutting_down")
 
-    async def stream_events(job: Job, request: Request, reply: Reply, arrived: float, include_usage: bool):
+    async def stream_events(job: Job, request: Request, reply: Reply, arrived: float):
         first, finished, failed = True, False, False
         try:
             yield sse(reply.chunk(role=True) if reply.chat else reply.chunk(text=""))
@@ -226,12 +294,12 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
                 if first and (payload.text or payload.token_ids):
                     observe_first_token(arrived)
                     first = False
-                if payload.text:
-                    yield sse(reply.chunk(text=payload.text))
+                if payload.text or (payload.logprobs and reply.token_texts):
+                    yield sse(reply.chunk(text=payload.text, logprobs=payload.logprobs))
                 if payload.output is not None:
                     record_finish(job, payload.output, arrived)
                     finished = True
-                    for last in reply.last_chunks(payload.output, include_usage):
+                    for last in reply.last_chunks(payload.output):
                         yield sse(last)
             yield sse("[DONE]")
         except _Cancelled:
@@ -243,14 +311,23 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
                     metrics.failed("cancelled")
 
     async def next_event(job: Job, request: Request) -> tuple[str, object]:
-        """The job's next event; raises _Cancelled (and cancels the job) when the client has gone."""
+        """The job's next event; raises _Cancelled (and cancels the job) when the client has gone.
+
+        The client is asked at least every ``disconnect_poll_seconds``, also while events keep coming.
+        """
         while True:
             try:
-                return await asyncio.wait_for(job.events.get(), config.disconnect_poll_seconds)
+                event = await asyncio.wait_for(job.events.get(), config.disconnect_poll_seconds)
             except asyncio.TimeoutError:
+                event = None
+            now = time.monotonic()
+            if event is None or now - job.checked >= config.disconnect_poll_seconds:
+                job.checked = now
                 if await request.is_disconnected():
                     job.cancel()
-                    raise _Cancelled() from None
+                    raise _Cancelled()
+            if event is not None:
+                return event
 
     def observe_first_token(arrived: float) -> None:
         metrics.time_to_first_token.labels(config.model_name).observe(time.perf_counter() - arrived)

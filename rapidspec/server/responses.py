@@ -1,9 +1,12 @@
 """OpenAI-format bodies: completions, stream chunks, usage and errors.
 
 Every response and the last stream chunk carry the generation's statistics
- in one extra field, ``rapidspec``: mode, timings,
-acceptance, mean accepted length, prefill reuse, retrieved chunks with their
-spans and, for conversations, the retrieved turns.
+in one extra field, ``rapidspec``: mode, timings, acceptance, mean accepted
+length, prefill reuse, retrieved chunks with their spans and, for
+conversations, the retrieved turns. Log-probabilities take OpenAI's two
+shapes: chat (``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``)
+and text completions (``tokens``, ``token_logprobs``, ``top_logprobs``,
+``text_offset``).
 """
 
 from __future__ import annotations
@@ -16,15 +19,20 @@ from fastapi.responses import JSONResponse
 
 from rapidspec.outputs import GenerationOutput
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "time": "length"}
 
 
 class Reply:
     """The shape of one request's answer: chat (``chat.completion``) or text (``text_completion``)."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, token_texts=None) -> None:
+        """``include_usage``: every stream chunk has ``usage`` (null until the last); ``token_texts``
+        (token ids -> their texts) when log-probabilities were asked for."""
         self.chat = chat
         self.model = model
+        self.include_usage = include_usage
+        self.token_texts = token_texts
+        self._offset = 0  # characters of text before the next token (text completions' text_offset)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -34,28 +42,51 @@ class Reply:
 
     def complete(self, output: GenerationOutput) -> dict:
         finish_reason = FINISH_REASONS[output.stats.stop_reason]
+        logprobs = self.logprobs(output.logprobs or ())
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-                      "finish_reason": finish_reason, "logprobs": None}
+                      "finish_reason": finish_reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": output.text, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": output.text, "finish_reason": finish_reason, "logprobs": logprobs}
         return self._body("chat.completion" if self.chat else "text_completion", [choice],
                           usage=usage(output), rapidspec=statistics(output))
 
-    def chunk(self, text: str | None = None, role: bool = False, finish_reason: str | None = None, **extra) -> dict:
+    def chunk(self, text: str | None = None, role: bool = False, finish_reason: str | None = None,
+              logprobs=(), **extra) -> dict:
+        if self.include_usage:
+            extra = {"usage": None, **extra}
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
             return self._body("chat.completion.chunk", [choice], **extra)
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
         return self._body("text_completion", [choice], **extra)
 
-    def last_chunks(self, output: GenerationOutput, include_usage: bool) -> list[dict]:
+    def last_chunks(self, output: GenerationOutput) -> list[dict]:
         """The chunk with the finish reason and statistics, then the usage chunk if asked for."""
         chunks = [self.chunk(finish_reason=FINISH_REASONS[output.stats.stop_reason], rapidspec=statistics(output))]
-        if include_usage:
+        if self.include_usage:
             chunks.append(self._body(chunks[0]["object"], [], usage=usage(output)))
         return chunks
+
+    def logprobs(self, entries) -> dict | None:
+        """OpenAI's ``logprobs`` of these tokens (TokenLogprob), or None when they were not asked for."""
+        if self.token_texts is None or not entries:
+            return None
+        texts = self.token_texts([e.token_id for e in entries])
+        tops = [self.token_texts([t for t, _ in e.top]) for e in entries]
+        if self.chat:
+            return {"content": [
+                {"token": text, "logprob": e.logprob, "bytes": list(text.encode()),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, (_, v) in zip(top, e.top)]}
+                for text, e, top in zip(texts, entries, tops)]}
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t: v for t, (_, v) in zip(top, e.top)} for e, top in zip(entries, tops)],
+                "text_offset": offsets}
 
 
 def usage(output: GenerationOutput) -> dict:

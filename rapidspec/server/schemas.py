@@ -6,9 +6,10 @@ options are extra top-level fields with the CLI's names (``mode``, ``eta``,
 ``gamma``, ``draft_confidence``, ``top_k``, ``ignore_eos``, ``retrieval``,
 ``budget_tokens``, ...), which the ``openai`` client sends with
 ``extra_body``. A field left out or sent as ``null`` takes the server's default (the options
-``rapidspec serve`` was started with). Unknown fields are refused, so a
-misspelt option never goes unnoticed; a few OpenAI fields that change nothing
-here (``user``, ``metadata``, ``store``...) are accepted and ignored.
+``rapidspec serve`` was started with). OpenAI fields rapidspec does not
+implement (:data:`UNSUPPORTED`: tools, ``n > 1``...) are refused with a 400
+naming the field; fields nobody defines are ignored with a warning in the
+server's log (as vLLM does), so vendor extras do not break clients.
 """
 
 from __future__ import annotations
@@ -22,18 +23,28 @@ from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import METHODS, RetrievalConfig
 
-_DECODE_FIELDS = {f.name for f in fields(DecodeConfig)}
+# What a request may set directly (the server's own limits, max_model_len and time_limit_s, are not among them).
+_DECODE_FIELDS = {f.name for f in fields(DecodeConfig)} - {"max_model_len", "time_limit_s", "logprobs"}
+
+#: OpenAI fields rapidspec does not implement, and when a value asks for them (a 400 naming the field).
+UNSUPPORTED = {
+    "tools": lambda v: v is not None, "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: v is not None, "function_call": lambda v: v not in (None, "none"),
+    "logit_bias": lambda v: bool(v), "response_format": lambda v: v is not None and v.get("type") != "text",
+    "n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1), "echo": lambda v: bool(v),
+    "suffix": lambda v: bool(v),
+}
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = None
 
 
 class GenerationRequest(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -41,6 +52,7 @@ class GenerationRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool | None = None
@@ -51,7 +63,13 @@ class GenerationRequest(BaseModel):
     store: bool | None = None
     frequency_penalty: float | None = Field(default=None, ge=0, le=0)
     presence_penalty: float | None = Field(default=None, ge=0, le=0)
-    logprobs: Literal[False] | None = None
+    # OpenAI fields refused when used (UNSUPPORTED)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     # RAPID (DecodeConfig)
     mode: Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"] | None = None
     eta: float | None = Field(default=None, ge=0)
@@ -75,10 +93,23 @@ class GenerationRequest(BaseModel):
     budget_tokens: int | None = Field(default=None, ge=1)
     chunk_tokens: int | None = Field(default=None, ge=1)
 
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Fields no schema defines (ignored; the server logs them)."""
+        return sorted(self.model_extra or {})
+
+    def logprobs_count(self) -> int | None:
+        """DecodeConfig.logprobs: None = off, else how many most likely tokens to report per position."""
+        return None
+
     def decode_config(self, base: DecodeConfig) -> DecodeConfig:
         """``base`` with the fields this request sets (RapidspecError when they do not combine)."""
-        if self.n not in (None, 1):
-            raise RapidspecError("only n = 1 is supported", param="n")
+        for name, used in UNSUPPORTED.items():
+            if used(getattr(self, name, None)):
+                raise RapidspecError(f"{name} is not supported by rapidspec (it generates plain text, one choice "
+                                     "per request)", param=name, code="unsupported_field")
+        if self.stream_options is not None and not self.stream:
+            raise RapidspecError("stream_options is only allowed when stream is true", param="stream_options")
         # null means "the default", as OpenAI clients send it
         changes = {name: getattr(self, name) for name in self.model_fields_set & _DECODE_FIELDS
                    if getattr(self, name) is not None}
@@ -89,11 +120,13 @@ class GenerationRequest(BaseModel):
             changes["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if "mode" in changes and changes["mode"] != "rapid" and "eta" not in changes:
             changes["eta"] = None  # the server's default eta belongs to rapid
+        changes["logprobs"] = self.logprobs_count()
         try:
             return base.with_(**changes)
         except RapidspecError as err:
             field = str(err).split(" ")[0]
-            raise RapidspecError(str(err), param=field if field in changes else None) from None
+            param = "max_tokens" if field == "max_new_tokens" else field if field in changes else None
+            raise RapidspecError(str(err), param=param) from None
 
     def retrieval_config(self, base: RetrievalConfig) -> RetrievalConfig:
         changes = {"method": self.retrieval, "budget_tokens": self.budget_tokens, "chunk_tokens": self.chunk_tokens}
@@ -108,10 +141,23 @@ class GenerationRequest(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[Any]
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RapidspecError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool | None = None
+    suffix: str | None = None
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, list):
@@ -119,3 +165,26 @@ class CompletionRequest(GenerationRequest):
                 raise RapidspecError("only one prompt per request is supported", param="prompt")
             return self.prompt[0]
         return self.prompt
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a prompt, or messages through the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    def model_post_init(self, context: Any) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RapidspecError("send either prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)

@@ -41,6 +41,7 @@ class Job:
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.started: float | None = None
+        self.checked = time.monotonic()  # when the server last asked whether the client is still there
         self._loop = loop
         self._on_cancel: Callable[[Job], None] | None = None  # set by the worker that queued it
 
