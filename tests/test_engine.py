@@ -144,6 +144,15 @@ def test_middle_truncation_and_refusal(byte_tokenizer):
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"draft_confidence": 1.0}, "draft_confidence"),
         ({"draft_confidence": -0.1}, "draft_confidence"),
+        # bounded knobs: no request can ask for gigabytes
+        ({"gamma_schedule": "cost", "max_gamma": 10**7}, r"max_gamma must be an integer in \[1, 64\]"),
+        ({"max_new_tokens": 10**9}, "max_new_tokens"),
+        ({"streaming_tokens": 10**12}, "streaming_tokens"),
+        ({"stop": tuple(f"s{i}" for i in range(17))}, "at most 16"),
+        ({"max_model_len": 8}, "max_model_len"),
+        ({"time_limit_s": 0}, "time_limit_s"),
+        ({"time_limit_s": float("inf")}, "time_limit_s"),
+        ({"logprobs": 21}, "logprobs"),
     ],
 )
 def test_bad_options_are_clear_errors(options, message):

@@ -79,6 +79,10 @@ def test_default_budget(tokens, budget):
         ({"min_score": float("nan")}, "min_score"),
         ({"embedding_model": " "}, "embedding_model"),
         ({"chunk_tokens": 1.5}, "chunk_tokens"),
+        # bounded: a request may not ask for millions of chunks or a huge budget
+        ({"chunk_tokens": 1}, "chunk_tokens must be an integer >= 16"),
+        ({"chunk_tokens": 10**6}, "chunk_tokens must be at most 8192"),
+        ({"budget_tokens": 10**12}, "budget_tokens must be at most"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, message):

@@ -31,7 +31,8 @@ class ServerMetrics:
         )
         self.request_failure = Counter(
             "rapidspec:request_failure",
-            "Requests that did not finish, by reason (bad_request, queue_full, cancelled, internal_error).",
+            "Requests that did not finish, by reason (bad_request, queue_full, cancelled, internal_error, "
+            "unauthorized, too_large).",
             labelnames=["model_name", "reason"], registry=self.registry,
         )
         self.prompt_tokens = Counter("rapidspec:prompt_tokens", "Target prompt tokens of finished requests.", **labels)
