@@ -250,7 +250,8 @@ def test_a_body_that_is_not_a_json_object_is_a_400(server):
 
 
 def test_sigterm_lets_the_running_request_finish_and_exits_0(tiny_model_dir):
-    """`rapidspec serve` in a subprocess (a tiny model saved to disk): SIGTERM mid-stream."""
+    """`rapidspec serve` in a subprocess (a tiny model saved to disk): SIGTERM mid-stream; the limits' flags."""
+    import os
     import signal
     import subprocess
     import sys
@@ -262,8 +263,9 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(tiny_model_dir):
     port = free_port()
     command = [sys.executable, "-c", "import sys; from rapidspec.cli import main; sys.exit(main())", "serve",
                "--target", str(model_dir), "--port", str(port), "--retrieval", "bm25", "--shutdown-timeout", "20",
-               "--dtype", "float32"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+               "--dtype", "float32", "--max-model-len", "3600", "--request-time-limit", "120"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env=os.environ | {"RAPIDSPEC_API_KEY": "sesame"})
     url = f"http://127.0.0.1:{port}"
     try:
         def healthy() -> bool:
@@ -272,7 +274,9 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(tiny_model_dir):
             except httpx.HTTPError:
                 return process.poll() is not None
         assert wait_until(healthy, timeout=120, every=0.2) and process.poll() is None
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0, timeout=60)
+        assert client.models.list().data[0].model_extra["max_model_len"] == 3600
         stream = client.chat.completions.create(model=str(model_dir), messages=HISTORY, max_tokens=1500, stream=True,
                                                 extra_body={"ignore_eos": True, "mode": "lc"})
         chunks = iter(stream)
