@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``handler`` to a
-function ``handler(args) -> int`` returning the exit code. User mistakes raise
+function ``handler(args) -> int`` returning the exit code. Two-word commands
+(``rapidspec bench serve``) are parsers named with a dash (``bench-serve``);
+``main`` joins the words before parsing. User mistakes raise
 :class:`rapidspec.errors.RapidspecError`; ``main`` prints them as one line and
 exits with code 2.
 """
@@ -18,7 +20,9 @@ import sys
 from rapidspec.errors import RapidspecError
 
 # Subcommand modules, in the order `rapidspec --help` lists them.
-COMMANDS = ("generate", "chat", "serve", "demo", "retrieve", "bench", "eval", "report", "models")
+COMMANDS = ("generate", "chat", "serve", "demo", "retrieve", "bench", "bench_serve", "eval", "report", "models")
+# `rapidspec bench serve ...` is the parser `bench-serve` (`rapidspec bench` takes no positional argument).
+TWO_WORD_COMMANDS = {("bench", "serve"): "bench-serve"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,9 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def join_two_word_command(argv: list[str]) -> list[str]:
+    """``argv`` with a two-word command (the first two words that are not options) as one word."""
+    first = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
+    if first is not None and tuple(argv[first:first + 2]) in TWO_WORD_COMMANDS:
+        return [*argv[:first], TWO_WORD_COMMANDS[tuple(argv[first:first + 2])], *argv[first + 2:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_two_word_command(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -46,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except RapidspecError as err:
-        print(f"rapidspec {args.command}: error: {err}", file=sys.stderr)
+        print(f"rapidspec {getattr(args, 'command_name', args.command)}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

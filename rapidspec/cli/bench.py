@@ -23,7 +23,7 @@ DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="measure decode speed of each mode against context length",
+        help="measure decode speed of each mode against context length ('bench serve': a server under load)",
         description=(
             "Runs every mode on the same inputs (the demo document at each --lengths, or --data records) "
             "and reports prefill times, decode tokens/s, acceptance, and decode and end-to-end speedups "
@@ -31,6 +31,11 @@ def register(subparsers) -> None:
             "hf-assisted is transformers' own assisted generation with the same drafter on the full prompt; "
             "llama.cpp is plain greedy decoding of the target's GGUF file on llama.cpp (the CPU peer); "
             "lookup drafts by n-gram match over the retrieved text and the answer (no drafter model)."
+        ),
+        epilog=(
+            "rapidspec bench serve [options]: an online serving benchmark of rapidspec serve (or any "
+            "OpenAI-compatible server), as vllm bench serve: TTFT, TPOT, ITL, latency and throughput under a "
+            "request rate and concurrency; see rapidspec bench serve --help."
         ),
     )
     parser.add_argument("--lengths", default=None,

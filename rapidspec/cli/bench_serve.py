@@ -1,0 +1,179 @@
+"""``rapidspec bench serve``: an online serving benchmark of an OpenAI-compatible server (as ``vllm bench serve``).
+
+Sends ``--num-prompts`` chat requests to ``--base-url`` (or to a ``rapidspec
+serve`` it starts on 127.0.0.1 and stops afterwards) at ``--request-rate``
+per second with at most ``--max-concurrency`` in flight, and reports TTFT,
+TPOT, ITL and end-to-end latency, throughputs and how every request ended.
+A table on stdout, then one JSON object as the last stdout line; progress on
+stderr. Exit code 1 when a request was lost or failed (or the server started
+here did not stop cleanly). The load generator is
+:mod:`rapidspec.evaluation.serve_bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rapidspec.cli.bench_serve_report import results_tables
+from rapidspec.errors import RapidspecError
+
+NAME = "bench-serve"  # `rapidspec bench serve` is dispatched here (rapidspec.cli.main)
+PLACEHOLDER_URL = "http://127.0.0.1:8000"
+# options passed on to the `rapidspec serve` started here: (flag, dest)
+SERVER_OPTIONS = (("--target", "target"), ("--drafter", "drafter"), ("--drafter-backend", "drafter_backend"),
+                  ("--quantize", "quantize"), ("--drafter-quantize", "drafter_quantize"), ("--device", "device"),
+                  ("--mode", "mode"), ("--retrieval", "retrieval"), ("--prefix-cache-gib", "prefix_cache_gib"))
+
+
+def register(subparsers) -> None:
+    # No help=: not listed as a command of its own; `rapidspec bench --help` points to it.
+    parser = subparsers.add_parser(
+        NAME, prog="rapidspec bench serve",
+        description=(
+            "Online serving benchmark, as vllm bench serve: sends --num-prompts chat requests to --base-url (or to "
+            "a rapidspec serve started here on 127.0.0.1 and stopped afterwards) at --request-rate per second with "
+            "at most --max-concurrency in flight; reports TTFT, TPOT, ITL and end-to-end latency (mean, median, "
+            "p90, p95, p99), request and token throughput, and completed, rejected (429), errors and lost requests."
+        ),
+    )
+    where = parser.add_argument_group("server")
+    where.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: start rapidspec serve here)")
+    where.add_argument("--api-key", default=os.environ.get("RAPIDSPEC_API_KEY"),
+                       help="sent as 'Authorization: Bearer KEY'; the server started here gets it as $RAPIDSPEC_API_KEY "
+                            "(default: $RAPIDSPEC_API_KEY)")
+    where.add_argument("--model", default=None, help="the model field of each request (default: none, the server's model)")
+    local = parser.add_argument_group("server started here (without --base-url)")
+    for flag, dest in SERVER_OPTIONS:
+        local.add_argument(flag, dest=dest, default=None, help=f"rapidspec serve {flag} (default: serve's)")
+    local.add_argument("--max-queue", type=int, default=None, help="rapidspec serve --max-queue (default: --num-prompts, so none is refused)")
+    local.add_argument("--serve-args", default="", help="more options for rapidspec serve, one string, e.g. '--gamma 6 --eta 2'")
+    local.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for it to be ready (default: %(default)s)")
+    load = parser.add_argument_group("load")
+    load.add_argument("--num-prompts", type=int, default=32, help="requests to send (default: %(default)s)")
+    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once (default: no limit)")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default: %(default)s)")
+    load.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole load; later answers are lost (default: %(default)s)")
+    load.add_argument("--test-request", action=argparse.BooleanOptionalAction, default=True,
+                      help="send one untimed request first and stop if it fails (default: on)")
+    body = parser.add_argument_group("requests")
+    body.add_argument("--dataset", default="builtin", help="builtin (the demo document), or a JSON/JSONL file of {document, question} records or a LoCoMo file")
+    body.add_argument("--document-tokens", type=int, default=None, help="length of the built-in document in tokens (default: about 7K)")
+    body.add_argument("--locomo-sessions", type=int, default=2, help="LoCoMo sessions sent as earlier turns (default: %(default)s)")
+    body.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default: %(default)s)")
+    body.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream the answers; TTFT, TPOT and ITL need it (default: on)")
+    body.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every answer has --max-tokens tokens")
+    body.add_argument("--extra-body", default=None, help="a JSON object merged into every request body, e.g. '{\"mode\": \"lc\"}'")
+    parser.add_argument("--result-file", default=None, help="also write the JSON result to this file")
+    parser.set_defaults(handler=run, command_name="bench serve")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rapidspec.evaluation.serve_bench import LoadConfig
+    from rapidspec.evaluation.serve_dataset import load_requests
+
+    config = LoadConfig(
+        base_url=args.base_url or PLACEHOLDER_URL, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate, seed=args.seed, max_tokens=args.max_tokens, stream=args.stream,
+        ignore_eos=args.ignore_eos, model=args.model, api_key=args.api_key, extra_body=_extra_body(args.extra_body),
+        timeout_s=args.timeout, test_request=args.test_request,
+    )
+    launch = _launch_config(args)
+    result_file = _result_file(args.result_file)
+    requests = load_requests(args.dataset, args.document_tokens, args.locomo_sessions)
+    err = Console(stderr=True)
+    if launch is None:
+        summary = _measure(config, requests, err) | {"server": {"started_here": False}}
+        failed_server = False
+    else:
+        from rapidspec.evaluation.serve_process import LocalServer
+
+        with contextlib.ExitStack() as stack:
+            with err.status("starting rapidspec serve on 127.0.0.1"):
+                server = stack.enter_context(LocalServer(launch))
+            err.print(f"rapidspec serve started at {server.url} (log: {server.log_path})", soft_wrap=True)
+            summary = _measure(replace(config, base_url=server.url), requests, err)
+        summary["server"] = {"started_here": True, "args": _redacted(launch.serve_args), "exit_code": server.exit_code,
+                             "log": server.log_path}
+        failed_server = server.exit_code != 0
+    summary = {"dataset": args.dataset} | summary
+    if result_file is not None:
+        result_file.write_text(json.dumps(summary, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    out = Console(width=None if Console().is_terminal else 120)
+    for table in results_tables(summary):
+        out.print(table)
+    print(json.dumps(summary, ensure_ascii=False), flush=True)
+    return 1 if summary["lost"] or summary["errors"] or failed_server else 0
+
+
+def _measure(config, requests, err: Console) -> dict:
+    from rapidspec.evaluation.serve_bench import run_benchmark
+
+    counts = {"completed": 0, "rejected": 0, "error": 0}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task("test request" if config.test_request else "requests", total=config.num_prompts)
+
+        def done(result) -> None:
+            counts[result.outcome] += 1
+            progress.update(task, advance=1, description=", ".join(f"{k} {v}" for k, v in counts.items()))
+
+        return run_benchmark(config, requests, on_done=done)
+
+
+def _extra_body(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RapidspecError(f"--extra-body is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise RapidspecError("--extra-body must be a JSON object, e.g. '{\"mode\": \"lc\"}'")
+    return value
+
+
+def _launch_config(args: argparse.Namespace):
+    """The server to start here (None with --base-url, where the server options make no sense)."""
+    import shlex
+
+    from rapidspec.evaluation.serve_process import LaunchConfig
+
+    given = [flag for flag, dest in (*SERVER_OPTIONS, ("--max-queue", "max_queue")) if getattr(args, dest) is not None]
+    if args.base_url is not None:
+        if given or args.serve_args:
+            raise RapidspecError(f"{', '.join(given) or '--serve-args'} apply to the server started here; "
+                                 "with --base-url, give them to that server yourself")
+        return None
+    serve_args = [part for flag, dest in SERVER_OPTIONS if (value := getattr(args, dest)) is not None
+                  for part in (flag, str(value))]
+    serve_args += ["--max-queue", str(args.max_queue if args.max_queue is not None else args.num_prompts)]
+    try:
+        serve_args += shlex.split(args.serve_args)
+    except ValueError as err:
+        raise RapidspecError(f"--serve-args: {err}") from None
+    return LaunchConfig(tuple(serve_args), api_key=args.api_key, start_timeout_s=args.server_timeout)
+
+
+def _redacted(serve_args: tuple[str, ...]) -> list[str]:
+    """The arguments without the API key."""
+    return ["***" if previous == "--api-key" else "--api-key=***" if arg.startswith("--api-key=") else arg
+            for previous, arg in zip(("", *serve_args), serve_args)]
+
+
+def _result_file(path: str | None) -> Path | None:
+    if path is None:
+        return None
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise RapidspecError(f"--result-file: the directory {target.parent} does not exist")
+    return target

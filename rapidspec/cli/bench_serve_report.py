@@ -1,0 +1,70 @@
+"""The tables of ``rapidspec bench serve``: outcomes and throughputs, then latencies in milliseconds."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+LATENCIES = (("ttft", "TTFT (time to first token)"), ("tpot", "TPOT (time per output token, excl. 1st)"),
+             ("itl", "ITL (inter-token latency, per chunk)"), ("e2el", "E2EL (end-to-end latency)"))
+STATS = ("mean", "median", "p90", "p95", "p99")
+
+
+def _fmt(value, spec: str = ".2f", unit: str = "") -> str:
+    return "-" if value is None else f"{format(value, spec)}{unit}"
+
+
+def results_tables(summary: dict) -> list[Table]:
+    return [outcome_table(summary), latency_table(summary)]
+
+
+def outcome_table(s: dict) -> Table:
+    concurrency = s["max_concurrency"] or "no limit"
+    table = Table(title=(f"rapidspec bench serve: {s['base_url']}, {s['num_prompts']} prompts ({s['dataset']}), "
+                         f"rate {s['request_rate']}/s, concurrency {concurrency}, max_tokens {s['max_tokens']}"
+                         f"{' (EOS ignored)' if s['ignore_eos'] else ''}{'' if s['stream'] else ', not streamed'}"))
+    table.add_column("")
+    table.add_column("value", justify="right")
+    rows = [
+        ("completed", str(s["completed"])),
+        ("rejected (429, queue full)", str(s["rejected"])),
+        ("errors", str(s["errors"])),
+        ("lost (no answer: connection error, 5xx, cut stream, timeout)", str(s["lost"])),
+        ("benchmark duration (s)", _fmt(s["duration"])),
+        ("total input tokens (of them cached)", f"{s['total_input_tokens']} ({s['cached_input_tokens']})"),
+        ("total output tokens", str(s["total_output_tokens"])),
+        ("request throughput (req/s)", _fmt(s["request_throughput"], ".3f")),
+        ("output token throughput (tok/s)", _fmt(s["output_throughput"])),
+        ("total token throughput (tok/s)", _fmt(s["total_token_throughput"])),
+        ("output tokens per stream chunk", _fmt(s["mean_output_tokens_per_chunk"])),
+    ]
+    if s["requests_without_usage"]:
+        rows.append(("completed requests without usage (tokens not counted)", str(s["requests_without_usage"])))
+    metrics = s.get("server_metrics")
+    if metrics:
+        rows += [
+            ("server: requests that reused a cached prefix", f"{metrics['prefix_cache_hit_requests']:g}"),
+            ("server: prefix-cache hit rate (prompt tokens)", _fmt(metrics["prefix_cache_hit_rate"], ".1%")),
+            ("server: draft acceptance rate", _fmt(metrics["acceptance_rate"], ".1%")),
+        ]
+    health = s.get("health_after")
+    if isinstance(health, dict) and "running" in health:
+        rows.append(("server /health after", f"{health.get('status')}, running {health['running']}, "
+                                              f"waiting {health.get('waiting')}"))
+    server = s.get("server") or {}
+    if server.get("started_here"):
+        rows.append(("server exit code after SIGTERM", str(server.get("exit_code"))))
+    if s.get("first_error"):
+        rows.append(("first error", s["first_error"]))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def latency_table(s: dict) -> Table:
+    table = Table(title="latency of completed requests (ms)")
+    table.add_column("")
+    for stat in STATS:
+        table.add_column(stat, justify="right")
+    for key, label in LATENCIES:
+        table.add_row(label, *(_fmt(s[f"{stat}_{key}_ms"]) for stat in STATS))
+    return table

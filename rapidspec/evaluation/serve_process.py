@@ -1,0 +1,127 @@
+"""``rapidspec serve`` in a subprocess on 127.0.0.1, for ``rapidspec bench serve`` without ``--base-url``.
+
+:class:`LocalServer` starts the server on a free port with the given options,
+its output in a log file, waits (bounded) until ``/health`` answers, and on
+exit stops it with SIGTERM (then SIGKILL after ``stop_timeout_s``) and keeps
+its exit code. A server that exits or does not answer in time is a
+RapidspecError naming the log and its last line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from rapidspec.errors import RapidspecError
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """``serve_args``: options of ``rapidspec serve`` (not --host or --port, which are chosen here).
+
+    ``api_key`` reaches the server as its environment variable ``RAPIDSPEC_API_KEY``
+    (not on its command line, where other users of the machine could read it).
+    """
+
+    serve_args: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
+    start_timeout_s: float = 300.0
+    stop_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if any(arg.split("=")[0] in ("--host", "--port") for arg in self.serve_args):
+            raise RapidspecError("bench serve starts its server on 127.0.0.1 on a free port; "
+                                 "give --base-url to benchmark a server started elsewhere")
+        if not self.start_timeout_s > 0 or not self.stop_timeout_s > 0:
+            raise RapidspecError("the server's start and stop timeouts must be > 0")
+
+
+class LocalServer:
+    """A context manager: ``url`` once started, ``exit_code`` after the ``with`` block."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.url: str | None = None
+        self.exit_code: int | None = None
+        self.log_path: str | None = None
+        self._process: subprocess.Popen | None = None
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "rapidspec", "serve", "--host", HOST, "--port", str(port), *self.config.serve_args]
+
+    def __enter__(self) -> LocalServer:
+        port = free_port()
+        with tempfile.NamedTemporaryFile("wb", prefix="rapidspec_bench_serve_", suffix=".log", delete=False) as log:
+            self.log_path = log.name
+            logger.info("starting %s (log: %s)", " ".join(self.command(port)), log.name)
+            env = os.environ | ({"RAPIDSPEC_API_KEY": self.config.api_key} if self.config.api_key else {})
+            self._process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, env=env)
+        try:
+            self._wait_ready(f"http://{HOST}:{port}")
+        except BaseException:
+            self.stop()
+            raise
+        self.url = f"http://{HOST}:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_ready(self, url: str) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if (code := self._process.poll()) is not None:
+                raise RapidspecError(f"rapidspec serve exited with code {code} before it was ready: "
+                                     f"{self.last_log_line()} (log: {self.log_path})")
+            if time.monotonic() > deadline:
+                raise RapidspecError(f"rapidspec serve was not ready within {self.config.start_timeout_s:g} s "
+                                     f"(log: {self.log_path})")
+            time.sleep(0.5)
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after ``stop_timeout_s``; the exit code (negative: killed by that signal)."""
+        process, self._process = self._process, None
+        if process is None:
+            return self.exit_code
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            self.exit_code = process.wait(timeout=self.config.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("rapidspec serve did not stop within %g s of SIGTERM; killing it", self.config.stop_timeout_s)
+            process.kill()
+            self.exit_code = process.wait()
+        return self.exit_code
+
+    def last_log_line(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                lines = [line.strip() for line in f.read()[-4000:].splitlines() if line.strip()]
+        except OSError:
+            return "(no log)"
+        return lines[-1] if lines else "(empty log)"
