@@ -67,6 +67,14 @@ def test_bm25_finds_the_needle(tok):
     assert r._embedder is None  # BM25 never loads an embedder
 
 
+@pytest.mark.parametrize("document", ["!!! ??? ...", "the a an of", "\U0001F600 \U0001F680"])
+def test_bm25_over_a_text_without_indexable_words_scores_zero(tok, document):
+    """Punctuation, stopwords or emoji only: no vocabulary to index, every chunk scores 0 (no error)."""
+    r = Retriever(RetrievalConfig(method="bm25", chunk_tokens=16, budget_tokens=16), tokenizer=tok)
+    result = r.retrieve(document * 20, "hi there")
+    assert all(chunk.score == 0 for chunk in result.chunks)
+
+
 def test_result_contract(tok):
     doc = haystack(300, needle_at=5)
     r = Retriever(RetrievalConfig(method="bm25", chunk_tokens=48, budget_tokens=300), tokenizer=tok)

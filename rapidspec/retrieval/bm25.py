@@ -45,15 +45,17 @@ class BM25Index:
         self._stemmer = english_stemmer()
         self._num_texts = len(texts)
         tokens = bm25s.tokenize(list(texts), stopwords="en", stemmer=self._stemmer, show_progress=False)
-        self._bm25 = bm25s.BM25()
-        self._bm25.index(tokens, show_progress=False)
+        self._bm25 = None  # texts without a single indexable word (punctuation, stopwords, emoji) score 0
+        if tokens.vocab:
+            self._bm25 = bm25s.BM25()
+            self._bm25.index(tokens, show_progress=False)
 
     def scores(self, query: str) -> np.ndarray:
         """BM25 score of every text for ``query``.  # [num_texts] float32"""
         words = bm25s.tokenize(
             [query], stopwords="en", stemmer=self._stemmer, return_ids=False, show_progress=False
         )[0]
-        known = [w for w in words if w in self._bm25.vocab_dict]
+        known = [] if self._bm25 is None else [w for w in words if w in self._bm25.vocab_dict]
         if not known:
             return np.zeros(self._num_texts, dtype=np.float32)
         return np.asarray(self._bm25.get_scores(known), dtype=np.float32)

@@ -129,8 +129,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         metrics.failed("bad_request")
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
+        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+            message, where = "the request body is not valid JSON", None
         elif not where:
             message = "the request body must be a JSON object (Content-Type: application/json)"
         else:

@@ -125,7 +125,8 @@ class GenerationRequest(BaseModel):
             return base.with_(**changes)
         except RapidspecError as err:
             field = str(err).split(" ")[0]
-            param = "max_tokens" if field == "max_new_tokens" else field if field in changes else None
+            max_tokens_field = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+            param = max_tokens_field if field == "max_new_tokens" else field if field in changes else None
             raise RapidspecError(str(err), param=param) from None
 
     def retrieval_config(self, base: RetrievalConfig) -> RetrievalConfig:
