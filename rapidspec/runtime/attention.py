@@ -29,6 +29,14 @@ to use it. Nothing of transformers is patched. Two paths:
   PyTorch's ``scaled_dot_product_attention(..., enable_gqa=True)``, which
   reads the grouped heads directly.
 
+Queries aligned to the end of the keys (a prefill chunk after the first, a
+verification step: "lower-right" causality) never build a mask of context
+size (:func:`causal_attention`): the grouped path masks only the [q, q]
+triangle of the last keys; on CUDA SDPA gets ``causal_lower_right``, which
+takes the flash or memory-efficient kernel where they apply; on CPU two calls
+of PyTorch's CPU flash kernel (the keys before the chunk without a mask, the
+chunk's own keys causal) are merged exactly by their log-sum-exps.
+
 The path of a short CPU query is reproducible: the same machine, shape and
 settings always take the same path, in every process, so two runs of one
 greedy request run the same kernels (in bfloat16 the paths round
@@ -73,6 +81,7 @@ from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
+from torch.nn.attention.bias import causal_lower_right
 from transformers.masking_utils import sdpa_mask
 
 from rapidspec.runtime.cache_dir import cache_root
@@ -261,6 +270,7 @@ def grouped_matmul_attention(
     attention_mask: torch.Tensor | None,  # bool (True = attend) or additive float, broadcastable to [batch, 1, q_len, kv_len]
     scaling: float,
     batched: bool = False,
+    causal_tail: bool = False,
 ) -> torch.Tensor:
     """Attention [batch, heads, q_len, head_dim] as two matrix products per key/value group.
 
@@ -270,6 +280,8 @@ def grouped_matmul_attention(
     is contiguous, while batched products over views of longer buffers may
     copy them first. ``batched`` makes it one product over all heads instead,
     fewer calls, which pays on short caches (:func:`short_query_path`).
+    ``causal_tail``: lower-right causality without a mask (only the last
+    ``q_len`` keys are masked, by a [q_len, q_len] triangle).
     """
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -283,6 +295,9 @@ def grouped_matmul_attention(
             for j in range(kv_heads):
                 torch.matmul(stacked[b, j], key[b, j].transpose(0, 1), out=scores[b, j])  # [g*q, n]
     scores = scores.mul_(scaling).view(batch, kv_heads, groups, q_len, kv_len)  # [b, kv, g, q, n]
+    if causal_tail and q_len > 1:
+        future = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).triu_(1)  # [q, q]
+        scores[..., kv_len - q_len :].masked_fill_(future, float("-inf"))
     if attention_mask is not None:
         mask = attention_mask[:, :, None]  # [b|1, 1, 1, q, n]
         if mask.dtype == torch.bool:
@@ -334,17 +349,42 @@ def causal_attention(
     scaling: float | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of queries aligned to the *end* of the keys ([batch, heads, q_len, head_dim]).
-
-    Without a cache (q_len == kv_len) SDPA's causal flag does it; with one, the
-    causal mask of the last q_len positions is built here.
-    """
+    """Causal attention of queries aligned to the *end* of the keys, with no mask of context size (module docstring)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len == 1 or q_len == kv_len:
         return attend(query, key, value, None, q_len > 1, scaling, dropout_p)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    path = "sdpa" if dropout_p else short_query_path(query, key.shape[1], kv_len)
+    if path != "sdpa":
+        return grouped_matmul_attention(query, key, value, None, scaling, batched=path == "batched", causal_tail=True)
+    if query.device.type == "cpu" and _CPU_FLASH is not None and not dropout_p:
+        return split_causal_attention(query, key, value, scaling)
+    if query.device.type == "cuda":
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=causal_lower_right(q_len, kv_len), dropout_p=dropout_p, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1])
     positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [q_len, 1]
-    mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, q, n]
+    mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, q, n], other devices
     return attend(query, key, value, mask, False, scaling, dropout_p)
+
+
+#: PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's scores.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def split_causal_attention(query, key, value, scaling: float) -> torch.Tensor:
+    """CPU lower-right causal attention: the keys before the chunk, then its own, merged by log-sum-exp.
+
+    out = (e^(l1 - m) o1 + e^(l2 - m) o2) / (e^(l1 - m) + e^(l2 - m)), m = max(l1, l2); [b, h, q, d].
+    """
+    before = key.shape[2] - query.shape[2]
+    past, past_lse = _CPU_FLASH(query, key[:, :, :before], value[:, :, :before], 0.0, False, scale=scaling)
+    own, own_lse = _CPU_FLASH(query, key[:, :, before:], value[:, :, before:], 0.0, True, scale=scaling)
+    top = torch.maximum(past_lse, own_lse)  # [b, h, q] float32
+    past_weight = (past_lse - top).exp_()[..., None]  # [b, h, q, 1]
+    own_weight = (own_lse - top).exp_()[..., None]
+    merged = past.float().mul_(past_weight).add_(own.float().mul_(own_weight)).div_(past_weight + own_weight)
+    return merged.to(query.dtype)
 
 
 def gqa_sdpa_attention(
