@@ -258,9 +258,10 @@ class Rapid:
             target_seq = list(prompts.target_ids)
             started = time.perf_counter()
             use_store = self.reuse_document_cache and not prompts.target_reads_retrieved
+            room = len(target_seq) + config.max_new_tokens + config.max_gamma + 1  # all a generation can hold
             try:
                 target_cache = self._prefill_target(
-                    target_seq, stats, use_store, lambda: out_of_time() or (should_stop is not None and should_stop()))
+                    target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()))
             except PrefillStopped:
                 if out_of_time():
                     raise RapidspecError(f"the prefill of {len(target_seq)} prompt tokens did not finish within "
@@ -316,14 +317,18 @@ class Rapid:
             drafter_context = min(drafter_context, config.max_model_len or drafter_context)
         return target_window, max(16, drafter_context - config.max_new_tokens)
 
-    def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, should_stop):
-        """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix."""
+    def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, room: int, should_stop):
+        """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix.
+
+        The cache is allocated once with ``room`` positions, so the generation never grows it.
+        """
         wanted = token_ids[:-1]
         cache = None
         if use_store:
-            cache, stats.target_prefill_reused_tokens = self.prefix_cache.lookup(wanted)
+            cache, stats.target_prefill_reused_tokens = self.prefix_cache.lookup(wanted, capacity=room)
         if cache is None:
             cache = new_kv_cache(self.target, self.prefill_chunk_tokens)
+        cache.reserve(room)
         cache.prefill(wanted[cache.length :], should_stop)
         return cache
 

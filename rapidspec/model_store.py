@@ -31,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import torch
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -279,8 +281,9 @@ def list_models() -> list[ModelStatus]:
             path = None
         converted = None
         if path is not None:
-            weights = gguf_cache_dir(path) / "model.safetensors"
-            converted = weights.stat().st_size if weights.is_file() else None
+            sizes = [weights.stat().st_size for dtype in (torch.bfloat16, torch.float16, torch.float32)
+                     if (weights := gguf_cache_dir(path, dtype) / "model.safetensors").is_file()]
+            converted = sizes[0] if sizes else None
         rows.append(
             ModelStatus(
                 name=key,

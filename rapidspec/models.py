@@ -159,16 +159,20 @@ def builtin_gguf_path(name: str = "builtin") -> Path:
     )
 
 
-def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Cache directory of the de-quantized conversion of ``gguf_path``.
+def gguf_cache_dir(gguf_path: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Cache directory of the de-quantized conversion of ``gguf_path`` to ``dtype``.
 
-    The key hashes the file's name, size and mtime plus the transformers
-    version (a new converter may produce different weights).
+    The key hashes the file's name, size and mtime, the dtype the weights
+    are stored in (a model used in bfloat16 is cached in bfloat16: half the
+    disk and memory of float32) plus the transformers version (a new
+    converter may produce different weights).
     """
     import transformers
 
     stat = gguf_path.stat()
-    key_text = f"{_CACHE_FORMAT}|{gguf_path.name}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    stored = "" if dtype == torch.float32 else f"|{dtype}"  # float32 keeps the key it always had
+    key_text = (f"{_CACHE_FORMAT}|{gguf_path.name}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+                f"{stored}")
     digest = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
 
@@ -177,10 +181,11 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 # loading
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    """De-quantize ``gguf_path`` with transformers and save it to ``target``.
+def _convert_gguf(gguf_path: Path, target: Path, dtype: torch.dtype = torch.float32) -> None:
+    """De-quantize ``gguf_path`` to ``dtype`` with transformers and save it to ``target``.
 
-    ``save_pretrained`` refuses GGUF-loaded models, so the float32 state dict
+    transformers shows a progress bar over the tensors while it de-quantizes.
+    ``save_pretrained`` refuses GGUF-loaded models, so the state dict
     goes through :func:`safetensors.torch.save_model` (which handles tied
     weights) and the config is saved without its quantization entry. Written
     to a temporary sibling directory first, then renamed into place.
@@ -188,12 +193,10 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting GGUF %s (once; cached in %s)", gguf_path, target)
+    logger.info("converting GGUF %s to %s (once; cached in %s)", gguf_path, dtype, target)
     start = time.perf_counter()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-        )
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (ValueError, KeyError, OSError, struct.error, EOFError) as exc:  # a truncated or foreign file
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -322,9 +325,9 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, torch_device)
     start = time.perf_counter()
     if gguf is not None:
-        cached = gguf_cache_dir(gguf)
+        cached = gguf_cache_dir(gguf, torch_dtype)  # cached in the dtype it is used in
         if not (cached / "model.safetensors").is_file():
-            _convert_gguf(gguf, cached)
+            _convert_gguf(gguf, cached, torch_dtype)
         else:
             logger.info("using cached conversion of %s: %s", gguf.name, cached)
         model, tokenizer = _load_pretrained(str(cached), torch_dtype, torch_device, device_map, attention)

@@ -70,8 +70,11 @@ class PrefixCache:
         """The token sequences held, least recently used first."""
         return [entry.token_ids for entry, _ in self._entries.values()]
 
-    def lookup(self, token_ids: Sequence[int]) -> tuple[KVCache | None, int]:
-        """A copy of the best entry cropped to the prefix it shares with ``token_ids``, and that length."""
+    def lookup(self, token_ids: Sequence[int], capacity: int | None = None) -> tuple[KVCache | None, int]:
+        """A copy of the best entry cropped to the prefix it shares with ``token_ids``, and that length.
+
+        The copy is allocated once, with room for ``capacity`` positions (None: what the entry holds).
+        """
         self.counters.queries += 1
         self.counters.queried_tokens += len(token_ids)
         best_key, best_shared = None, 0
@@ -82,7 +85,7 @@ class PrefixCache:
         if best_key is None or best_shared < self.min_reused_tokens:
             return None, 0
         self._entries.move_to_end(best_key)
-        copy = self._entries[best_key][0].clone()
+        copy = self._entries[best_key][0].clone(capacity)
         copy.crop(best_shared)
         self.counters.hits += 1
         self.counters.reused_tokens += best_shared

@@ -108,3 +108,39 @@ def test_output_logprobs_worked_example():
     assert torch.allclose(augmented[0], expected) and torch.allclose(augmented[1], plain[1])
     sampled = output_logprobs(target_logits, None, eta=0.0, alpha=0.1, temperature=0.5, top_k=2)
     assert sampled[0, 2] == float("-inf") and torch.allclose(sampled[0, :2], (target_logits[0, :2] / 0.5).log_softmax(-1))
+
+
+@pytest.mark.parametrize("runtime", ["lean", "transformers"])
+def test_a_generation_allocates_its_target_cache_once(tiny_model, runtime):
+    """Reserved for prompt + max_new_tokens + max_gamma + 1 before the prefill: no growth copy in any round,
+    also when the cache starts as a copy of a stored prefix."""
+    from dataclasses import replace
+
+    from rapidspec.runtime.lean import LeanModel
+
+    def buffers(cache):
+        if runtime == "lean":
+            return cache._keys.data_ptr()
+        return tuple(layer._key_room.data_ptr() for layer in cache._cache.layers)
+
+    target = replace(tiny_model, lean=LeanModel(tiny_model.model) if runtime == "lean" else None)
+    rapid = engine(target, prefill_chunk_tokens=256)
+    for question in (QUESTION, QUESTION + " Say it again."):
+        seen = []
+        out = last_output(rapid.stream(DOCUMENT, question, mode="rapid", gamma=4, max_new_tokens=200, ignore_eos=True,
+                                       observer=lambda target_cache, *rest: seen.append(buffers(target_cache))))
+        assert out.stats.new_tokens == 200 and len(seen) == out.stats.rounds > 10
+        assert len(set(seen)) == 1  # the same buffers from the first round to the last
+    assert out.stats.target_prefill_reused_tokens > 0
+
+
+def test_a_prefix_cache_copy_allocates_what_it_holds_or_the_room_asked_for(tiny_model):
+    from rapidspec.runtime.lean import LeanModel
+    from rapidspec.runtime.lean_cache import LeanKVCache
+
+    cache = LeanKVCache(LeanModel(tiny_model.model))
+    cache.reserve(2000)
+    cache.prefill([3 + i % 200 for i in range(300)])
+    assert cache.capacity >= 2000
+    assert cache.clone().capacity == 300 and cache.clone(capacity=1000).capacity == 1000
+    assert torch.equal(cache.clone()._keys[:, :, :300], cache._keys[:, :, :300])

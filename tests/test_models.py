@@ -249,7 +249,7 @@ def fake_gguf(tmp_path, monkeypatch):
             return real_model(source, *args, **kwargs)
         assert kwargs["gguf_file"] == path.name
         calls["model"] += 1
-        model = tiny_model()
+        model = tiny_model().to(kwargs.get("dtype", torch.float32))  # de-quantized to the dtype asked for
         model.config.quantization_config = {"quant_method": "gguf", "gguf_file": path.name}
         return model
 
@@ -282,6 +282,18 @@ def test_gguf_is_converted_once_and_reloads_identically(fake_gguf):
     assert torch.equal(logits(second.model), reference)
     assert second.source == str(path.resolve())
     assert vocab_compatible(first, second)
+
+
+def test_gguf_used_in_bfloat16_is_cached_in_bfloat16(fake_gguf):
+    path, calls = fake_gguf
+    loaded = load_model(str(path), dtype="bfloat16", device="cpu", runtime="transformers")
+    cached = gguf_cache_dir(path, torch.bfloat16)
+    assert cached != gguf_cache_dir(path) and (cached / "model.safetensors").is_file()
+    from safetensors import safe_open
+
+    with safe_open(str(cached / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
+    assert loaded.dtype == torch.bfloat16 and calls["model"] == 1
 
 
 def test_gguf_cache_key_changes_with_the_file(fake_gguf):

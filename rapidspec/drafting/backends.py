@@ -52,6 +52,7 @@ class DrafterPool:
         cache, self._idle = self._idle, None
         if cache is None or not self._fits(cache, len(prompt_ids) + room):
             cache = self._new_cache(len(prompt_ids) + room)
+        cache.reserve(len(prompt_ids) + room)  # allocated once for the whole generation
         reused = common_prefix_length(cache.token_ids, wanted)
         cache.crop(reused)
         cache.prefill(wanted[reused:])

@@ -42,8 +42,12 @@ class GrowableLayer(DynamicLayer):
     :data:`ROOM_GROWTH` when full. ``crop`` (inherited) shortens the views, and
     the next update overwrites what was cropped. Anything that replaces
     ``keys`` by a tensor that is not such a view (batch reordering, reset) is
-    detected and the buffers are rebuilt from it.
+    detected and the buffers are rebuilt from it. ``min_capacity`` (set by
+    :meth:`KVCache.reserve`) makes the first allocation big enough for a
+    whole generation.
     """
+
+    min_capacity = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -69,7 +73,7 @@ class GrowableLayer(DynamicLayer):
         new = old + key_states.shape[-2]
         if old == 0 or not self._views_of_room() or new > self._key_room.shape[-2]:
             grown = int(ROOM_GROWTH * self._key_room.shape[-2]) if old and self._key_room is not None else 0
-            capacity = -(-max(new, grown) // ROOM_QUANTUM) * ROOM_QUANTUM  # rounded up
+            capacity = -(-max(new, grown, self.min_capacity) // ROOM_QUANTUM) * ROOM_QUANTUM  # rounded up
             self._key_room = self._reserve(self.keys if old else None, key_states, capacity)
             self._value_room = self._reserve(self.values if old else None, value_states, capacity)
         self._key_room[:, :, old:new].copy_(key_states)
@@ -133,6 +137,9 @@ class HeldTokens:
         if not 1 <= num_logits <= len(token_ids):
             raise ValueError(f"num_logits must be in [1, {len(token_ids)}], got {num_logits}")
 
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` positions now (nothing to do where memory is fixed at creation)."""
+
     def _check_crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
@@ -192,13 +199,25 @@ class KVCache(HeldTokens):
             self._cache.crop(-remove)
             del self._token_ids[length:]
 
-    def clone(self) -> "KVCache":
-        """An independent copy (used to reuse a document prefix across questions)."""
+    def reserve(self, length: int) -> None:
+        """Buffers allocated from now on hold at least ``length`` positions (one allocation per generation)."""
+        for layer in getattr(self._cache, "layers", []):
+            if isinstance(layer, GrowableLayer):
+                layer.min_capacity = length
+
+    def clone(self, capacity: int | None = None) -> "KVCache":
+        """An independent copy (used to reuse a document prefix across questions).
+
+        transformers' layers are copied whole (their reserved room too); ``capacity`` is the room
+        they grow to when they next grow.
+        """
         twin = KVCache.__new__(KVCache)
         twin.model = self.model
         twin.prefill_chunk_tokens = self.prefill_chunk_tokens
         twin._cache = copy.deepcopy(self._cache)
         twin._token_ids = list(self._token_ids)
+        if capacity is not None:
+            twin.reserve(capacity)
         return twin
 
     def memory_bytes(self) -> int:

@@ -7,10 +7,14 @@ and is its owner's only writer. Keys and values of all layers live in two
 buffers [layers, kv_heads, capacity, head_dim]; a forward writes the new
 positions in place and attends over the first ``length`` positions of each
 head, whose [length, head_dim] blocks are contiguous. Rollback only shortens
-``length``: the next forward overwrites what was cropped. Capacity grows like
-the transformers path's :class:`~rapidspec.runtime.cache.GrowableLayer` (by
+``length``: the next forward overwrites what was cropped. The engine reserves
+a generation's whole length (prompt, answer, one round of drafts) before its
+prefill, so the buffers are allocated once; a forward past the capacity
+grows them like the transformers path's
+:class:`~rapidspec.runtime.cache.GrowableLayer` (by
 :data:`~rapidspec.runtime.cache.ROOM_GROWTH`, in multiples of
-:data:`~rapidspec.runtime.cache.ROOM_QUANTUM` tokens).
+:data:`~rapidspec.runtime.cache.ROOM_QUANTUM` tokens). A clone allocates only
+what it holds, or the room it is asked for.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class LeanKVCache(HeldTokens):
         return self._keys.shape[2]
 
     def reserve(self, length: int) -> None:
-        """Make room for ``length`` positions (growing by ROOM_GROWTH, rounded up to ROOM_QUANTUM)."""
+        """Make room for ``length`` positions: exactly that on an empty cache, else by ROOM_GROWTH (rounded up
+        to ROOM_QUANTUM); a generation reserves its whole length first, so it never grows."""
         if length <= self.capacity:
             return
         grown = int(ROOM_GROWTH * self.capacity) if self.length else 0
@@ -79,10 +84,11 @@ class LeanKVCache(HeldTokens):
         self._check_crop(length)
         del self._token_ids[length:]
 
-    def clone(self) -> "LeanKVCache":
-        """An independent copy with the same capacity."""
+    def clone(self, capacity: int | None = None) -> "LeanKVCache":
+        """An independent copy with room for ``capacity`` positions (None: exactly what it holds)."""
         twin = LeanKVCache(self.lean, self.prefill_chunk_tokens)
-        twin._keys, twin._values = self._empty(self.capacity), self._empty(self.capacity)
+        size = max(self.length, capacity or 0)
+        twin._keys, twin._values = self._empty(size), self._empty(size)
         twin._keys[:, :, : self.length].copy_(self._keys[:, :, : self.length])
         twin._values[:, :, : self.length].copy_(self._values[:, :, : self.length])
         twin._token_ids = list(self._token_ids)

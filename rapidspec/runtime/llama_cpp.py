@@ -149,9 +149,9 @@ class LlamaCppContext(HeldTokens):
         self._ll.llama_memory_seq_rm(self._memory, 0, length, -1)
         del self._token_ids[length:]
 
-    def clone(self) -> LlamaCppContext:
+    def clone(self, capacity: int | None = None) -> LlamaCppContext:
         """A new context holding the same tokens (recomputed: llama.cpp contexts are not copied)."""
-        twin = LlamaCppContext(self.model, self.capacity)
+        twin = LlamaCppContext(self.model, max(self.capacity, capacity or 0))
         twin.prefill(self._token_ids)
         return twin
 

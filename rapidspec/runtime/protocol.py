@@ -56,8 +56,12 @@ class KVCacheProtocol(Protocol):
         """Keep only the first ``length`` tokens (``0 <= length <= self.length``, else ``ValueError``)."""
         ...
 
-    def clone(self) -> KVCacheProtocol:
-        """An independent copy holding the same tokens."""
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` positions now, so no forward up to it grows (copies) the buffers."""
+        ...
+
+    def clone(self, capacity: int | None = None) -> KVCacheProtocol:
+        """An independent copy holding the same tokens, with room for ``capacity`` positions (None: what it holds)."""
         ...
 
     def memory_bytes(self) -> int:
