@@ -159,6 +159,7 @@ class Rapid:
         generator: torch.Generator | None = None,
         profile: bool = False,
         observer=None,
+        prefill_progress=None,
         **options,
     ) -> Iterator[StreamChunk]:
         """Yield the answer to ``question`` about ``document`` as it is generated.
@@ -171,7 +172,8 @@ class Rapid:
         """
         config = DecodeConfig.from_options(config, options)
         prompts = self.document_prompts(document, question, config, query=query, corpus=corpus)
-        yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer)
+        yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer,
+                               prefill_progress=prefill_progress)
 
     def stream_chat(
         self,
@@ -184,6 +186,7 @@ class Rapid:
         generator: torch.Generator | None = None,
         profile: bool = False,
         observer=None,
+        prefill_progress=None,
         **options,
     ) -> Iterator[StreamChunk]:
         """Yield the answer to the last user message of ``messages`` (OpenAI-style dicts).
@@ -193,7 +196,8 @@ class Rapid:
         """
         config = DecodeConfig.from_options(config, options)
         prompts = self.chat_prompts(messages, config, documents=documents, query=query, recent_messages=recent_messages)
-        yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer)
+        yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer,
+                               prefill_progress=prefill_progress)
 
     def document_prompts(
         self, document: str, question: str, config: DecodeConfig, query: str | None = None, corpus: str | None = None
@@ -228,6 +232,7 @@ class Rapid:
         observer=None,
         schedule: GammaSchedule | None = None,
         should_stop: Callable[[], bool] | None = None,
+        prefill_progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[StreamChunk]:
         """Prefill and decode ``prompts`` (from :meth:`document_prompts` or :meth:`chat_prompts`).
 
@@ -238,7 +243,8 @@ class Rapid:
         ``schedule`` replaces the gamma schedule the config names
         (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops after the current round;
         ``should_stop()`` is asked between the target's prefill chunks, and when it says yes the
-        prefill ends with :class:`~rapidspec.runtime.errors.PrefillStopped` (a server's cancelled request).
+        prefill ends with :class:`~rapidspec.runtime.errors.PrefillStopped` (a server's cancelled request);
+        ``prefill_progress(done, total)`` hears of each target prefill chunk (a progress bar).
         ``config.time_limit_s`` ends the answer with stop reason ``time`` (a RapidspecError when the
         prefill alone takes longer).
         """
@@ -261,7 +267,8 @@ class Rapid:
             room = len(target_seq) + config.max_new_tokens + config.max_gamma + 1  # all a generation can hold
             try:
                 target_cache = self._prefill_target(
-                    target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()))
+                    target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()),
+                    prefill_progress)
             except PrefillStopped:
                 if out_of_time():
                     raise RapidspecError(f"the prefill of {len(target_seq)} prompt tokens did not finish within "
@@ -317,7 +324,8 @@ class Rapid:
             drafter_context = min(drafter_context, config.max_model_len or drafter_context)
         return target_window, max(16, drafter_context - config.max_new_tokens)
 
-    def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, room: int, should_stop):
+    def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, room: int, should_stop,
+                        progress=None):
         """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix.
 
         The cache is allocated once with ``room`` positions, so the generation never grows it.
@@ -329,7 +337,7 @@ class Rapid:
         if cache is None:
             cache = new_kv_cache(self.target, self.prefill_chunk_tokens)
         cache.reserve(room)
-        cache.prefill(wanted[cache.length :], should_stop)
+        cache.prefill(wanted[cache.length :], should_stop, progress)
         return cache
 
     def _start_drafter(self, prompts: PromptPair, config: DecodeConfig, stats: GenerationStats):

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_engine
+from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation import speed
 
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, description=message)
 
         report = speed.run_benchmark(
-            engine, items, modes, base, args.repeats, sweep, args.profile, progress=note, share_prefill=args.share_prefill
+            engine, items, modes, base, args.repeats, sweep, args.profile, progress=note, share_prefill=args.share_prefill,
+            prefill_progress=prefill_bar(args.quiet, progress),
         )
         progress.advance(task)
 

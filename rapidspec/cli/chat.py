@@ -26,6 +26,7 @@ from rapidspec.cli.options import (
     decode_config,
     load_engine,
 )
+from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.cli.render import stats_table
 from rapidspec.config import DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     with console.status("loading the models..."):
         engine = load_engine(args)
-    ChatSession(engine, config, console, documents, args.system, args.recent_messages).loop()
+    ChatSession(engine, config, console, documents, args.system, args.recent_messages,
+                prefill_progress=prefill_bar(args.quiet)).loop()
     return 0
 
 
@@ -79,8 +81,10 @@ class ChatSession:
         system: str | None = None,
         recent_messages: int = DEFAULT_RECENT_MESSAGES,
         read: Callable[[str], str] | None = None,
+        prefill_progress=None,
     ) -> None:
         self.engine, self.config, self.console = engine, config, console
+        self.prefill_progress = prefill_progress
         self.documents, self.system, self.recent_messages = list(documents), system, recent_messages
         self.read = read or console.input
         self.messages: list[dict[str, str]] = []
@@ -149,7 +153,8 @@ class ChatSession:
         self.messages.append({"role": "user", "content": question})
         shown, output, stopped = [], None, False
         stream = self.engine.stream_chat(self.messages, documents=self.documents or None,
-                                         recent_messages=self.recent_messages, config=self.config)
+                                         recent_messages=self.recent_messages, config=self.config,
+                                         prefill_progress=self.prefill_progress)
         try:
             for chunk in stream:
                 if chunk.text:

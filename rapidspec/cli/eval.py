@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_models, retrieval_config
+from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.config import MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         items, target, drafter=drafter, retrieval=retrieval, modes=modes, eta=args.eta, gamma=args.gamma,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         results=args.results, overwrite=args.overwrite, data_label=label, decode_options=passed,
-        sweep=sweep, retrieve_from=args.retrieve_from, other_items=every_item,
+        sweep=sweep, retrieve_from=args.retrieve_from, other_items=every_item, prefill_progress=prefill_bar(args.quiet),
     )
     who = breakdown(result.records)
     if not args.json_only:

@@ -9,6 +9,7 @@ import sys
 from rich.console import Console
 
 from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_engine
+from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.cli.render import stats_table
 from rapidspec.errors import RapidspecError
 from rapidspec.textio import read_text
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
             raise RapidspecError(f"the retrieval corpus {args.retrieve_from} is empty")
     engine = load_engine(args)
     output = None
-    for chunk in engine.stream(document, args.question, query=args.query, corpus=corpus, config=config):
+    for chunk in engine.stream(document, args.question, query=args.query, corpus=corpus, config=config,
+                               prefill_progress=prefill_bar(args.quiet)):
         if chunk.output is not None:
             output = chunk.output
         elif not args.json:

@@ -33,6 +33,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "--drafter-quantize (default: %(default)s)")
     group.add_argument("--drafter-threads", type=int, default=None,
                        help="threads of the llama.cpp drafter (default: torch's thread count)")
+    group.add_argument("--quiet", action="store_true",
+                       help="no progress bar for long prefills on stderr (none is shown when stderr is not a terminal)")
     group.add_argument("--runtime", default="auto", choices=RUNTIMES,
                        help="forward of both models: the lean forward of llama/qwen2 models (auto where it exists, lean "
                             "to require it) or transformers' (default: %(default)s)")

@@ -199,6 +199,7 @@ def run_eval(
     other_items: Sequence[EvalItem] | None = None,
     on_record: Callable[[dict], None] | None = None,
     progress: bool = True,
+    prefill_progress: Callable[[int, int], None] | None = None,
 ) -> EvalRun:
     """Run every item under every mode (and sweep point, :mod:`.variants`) and score it.
 
@@ -267,10 +268,11 @@ def run_eval(
             engine.retriever = retrievers[variant.budget_tokens]
             run = variant.config.with_(max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type])
             if item.messages:  # chat form: the conversation so far is the long context
-                output = engine.chat(list(item.messages), query=item.query, config=run)
+                output = engine.chat(list(item.messages), query=item.query, config=run,
+                                     prefill_progress=prefill_progress)
             else:
                 output = engine.generate(item.document, item.question, query=item.query, corpus=corpora.get(item.id),
-                                         config=run)
+                                         config=run, prefill_progress=prefill_progress)
             metrics = score_prediction(item.task_type, output.text, item.answers, len(item.choices))
             record = {
                 "id": item.id, "group": item.group, "mode": mode, "eta": variant.eta, "gamma": variant.gamma,

@@ -79,8 +79,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _engine_measurement(engine, item: BenchItem, config: DecodeConfig, profile: bool) -> Measurement:
-    out = engine.generate(item.document, item.question, config=config, profile=profile)
+def _engine_measurement(engine, item: BenchItem, config: DecodeConfig, profile: bool, prefill_progress=None) -> Measurement:
+    out = engine.generate(item.document, item.question, config=config, profile=profile, prefill_progress=prefill_progress)
     s = out.stats
     return Measurement(
         token_ids=tuple(out.token_ids),
@@ -170,11 +170,12 @@ def _hf_measurement(engine, item: BenchItem, config: DecodeConfig) -> Measuremen
 
 def measure(
     engine, item: BenchItem, variant: Variant, base: DecodeConfig, profile: bool = False, peer=None,
-    reuse_prefill: bool = False,
+    reuse_prefill: bool = False, prefill_progress=None,
 ) -> Measurement:
     """One timed generation of ``variant`` on ``item``, with the peak memory it reached.
 
-    ``peer``: the :class:`~rapidspec.evaluation.llama_peer.LlamaCppPeer` that runs mode ``llama.cpp``.
+    ``peer``: the :class:`~rapidspec.evaluation.llama_peer.LlamaCppPeer` that runs mode ``llama.cpp``;
+    ``prefill_progress(done, total)``: hears of the engine's target prefill chunks.
     """
     devices = {engine.target.model.device}
     if variant.mode == HF_ASSISTED:
@@ -185,7 +186,7 @@ def measure(
         elif variant.mode == LLAMA_CPP:
             result = peer.measure(engine, item, base, reuse_prefill)
         else:
-            result = _engine_measurement(engine, item, variant.config, profile)
+            result = _engine_measurement(engine, item, variant.config, profile, prefill_progress)
     result.peak_rss_bytes = peak.peak_rss_bytes
     result.peak_cuda_bytes = peak.peak_cuda_bytes
     return result
@@ -256,13 +257,15 @@ def run_benchmark(
     warmup: bool = True,
     progress: Callable[[str], None] | None = None,
     share_prefill: bool = False,
+    prefill_progress: Callable[[int, int], None] | None = None,
 ) -> BenchReport:
     """Run every variant on every item ``repeats`` times; medians and ratios against ``lc``.
 
     ``engine`` is a :class:`rapidspec.engine.Rapid` built with
     ``reuse_document_cache=share_prefill``. ``base`` carries the shared decode
     settings (gamma, eta, max_new_tokens, temperature...). ``progress(message)``
-    is called before each generation (warm-ups included).
+    is called before each generation (warm-ups included); ``prefill_progress(done, total)``
+    hears of each target prefill chunk.
 
     ``share_prefill``: the target's prefill of each input is computed once (by
     the first ``lc`` run) and the other runs of the engine's full-context modes
@@ -307,7 +310,8 @@ def run_benchmark(
                 where = f"length {item.length}" if item.length else f"record {index + 1}"
                 note(f"{where}, repeat {repeat + 1}/{repeats}: {variant.label}")
                 engine.clear_drafter_caches()  # only the target's prefill is shared: every run prefills its drafter
-                run = measure(engine, item, variant, base, profile, peer=peer, reuse_prefill=share_prefill)
+                run = measure(engine, item, variant, base, profile, peer=peer, reuse_prefill=share_prefill,
+                              prefill_progress=prefill_progress)
                 if share_prefill and variant.mode in FULL_CONTEXT_MODES:
                     if shared_prefill_seconds is None:  # the first lc run: a full prefill
                         shared_prefill_seconds = run.target_prefill_seconds

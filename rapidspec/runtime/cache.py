@@ -144,19 +144,30 @@ class HeldTokens:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
 
-    def prefill(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        should_stop: Callable[[], bool] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> torch.Tensor | None:
         """Append a long sequence in chunks (bounded activation memory).
 
         Returns the logits after the last token ([1, V]), or None for no tokens.
         ``should_stop()`` is asked before every chunk after the first; when it
         says yes, :class:`PrefillStopped` is raised (the cache then holds the
-        chunks done so far).
+        chunks done so far). ``progress(done, total)`` is called before the
+        first chunk and after each one.
         """
         logits = None
-        for start in range(0, len(token_ids), self.prefill_chunk_tokens):
+        total = len(token_ids)
+        for start in range(0, total, self.prefill_chunk_tokens):
             if start and should_stop is not None and should_stop():
-                raise PrefillStopped(f"prefill stopped after {start} of {len(token_ids)} tokens")
+                raise PrefillStopped(f"prefill stopped after {start} of {total} tokens")
+            if progress is not None and not start:
+                progress(0, total)
             logits = self.forward(token_ids[start : start + self.prefill_chunk_tokens], num_logits=1)
+            if progress is not None:
+                progress(min(start + self.prefill_chunk_tokens, total), total)
         return logits
 
 

@@ -74,10 +74,11 @@ class LeanKVCache(HeldTokens):
         self._token_ids.extend(int(t) for t in token_ids)
         return logits.float()  # [num_logits, V]
 
-    def prefill(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    def prefill(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> torch.Tensor | None:
         """Append a long sequence in chunks (room reserved once); logits after the last token ([1, V]) or None."""
         self.reserve(self.length + len(token_ids))
-        return super().prefill(token_ids, should_stop)
+        return super().prefill(token_ids, should_stop, progress)
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (rollback of rejected tokens)."""

@@ -45,10 +45,12 @@ class KVCacheProtocol(Protocol):
         """
         ...
 
-    def prefill(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    def prefill(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> torch.Tensor | None:
         """Append a long sequence in chunks; the logits after its last token ([1, V]), or None for none.
 
-        ``should_stop()``, asked between chunks, ends it early with :class:`~rapidspec.runtime.errors.PrefillStopped`.
+        ``should_stop()``, asked between chunks, ends it early with :class:`~rapidspec.runtime.errors.PrefillStopped`;
+        ``progress(done, total)`` hears of each chunk.
         """
         ...
 
