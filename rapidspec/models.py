@@ -322,6 +322,7 @@ def load_model(
         attention = register()
     source, gguf = resolve_source(name)
     torch_device = resolve_device(device)
+    check_low_bit_device(quantize, torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     start = time.perf_counter()
     if gguf is not None:
@@ -363,6 +364,15 @@ def load_model(
 
 
 @contextmanager
+def check_low_bit_device(quantize: str, device: torch.device) -> None:
+    """Refuse int8 / int4 weights off the CPU: their layers multiply by a de-quantised copy of the whole
+    weight on every call there, slower than bfloat16 (no low-bit GPU kernel is wired in yet)."""
+    if quantize != "none" and torch.device(device).type != "cpu":
+        raise RapidspecError(f"{quantize} weights are for drafters on the CPU; on {torch.device(device).type} they "
+                             "would de-quantize every weight on every call, slower than bfloat16: load the model "
+                             "without --quantize / --drafter-quantize (bfloat16 is the fast choice there)")
+
+
 def _quantize_option():
     """Re-raise the runtime's :class:`QuantizationError` (a bad ``quantize`` option) as the user's error."""
     try:
@@ -405,6 +415,7 @@ def low_bit_copy(loaded: LoadedModel, method: str = "int8", name: str | None = N
     """
     if loaded.quantization != "none":
         raise RapidspecError(f"{loaded.name} already has {loaded.quantization} weights; copy a float model")
+    check_low_bit_device(method, loaded.device)
     with _quantize_option():
         model = quantized_copy(loaded.model, check_quantization(method))
     lean = None if loaded.lean is None else _lean_forward(model, "lean", loaded.name)

@@ -180,3 +180,14 @@ def test_int4_quantize_linears_keeps_int8_where_widths_do_not_fit(wide_tiny_mode
     reference, got = _logits(wide_tiny_model.model, ids), _logits(clone, ids)
     # 4-bit codes of Gaussian weights carry ~9% noise each; a wrong layout would be off by ~100%
     assert (got - reference).abs().max() < 0.25 * reference.abs().max()
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps"])
+def test_low_bit_weights_off_the_cpu_are_refused_pointing_at_bfloat16(device):
+    from rapidspec.errors import RapidspecError
+    from rapidspec.models import check_low_bit_device
+
+    with pytest.raises(RapidspecError, match="bfloat16"):
+        check_low_bit_device("int8", torch.device(device))
+    check_low_bit_device("none", torch.device(device))
+    check_low_bit_device("int4", torch.device("cpu"))
