@@ -363,7 +363,6 @@ def load_model(
     )
 
 
-@contextmanager
 def check_low_bit_device(quantize: str, device: torch.device) -> None:
     """Refuse int8 / int4 weights off the CPU: their layers multiply by a de-quantised copy of the whole
     weight on every call there, slower than bfloat16 (no low-bit GPU kernel is wired in yet)."""
@@ -373,6 +372,7 @@ def check_low_bit_device(quantize: str, device: torch.device) -> None:
                              "without --quantize / --drafter-quantize (bfloat16 is the fast choice there)")
 
 
+@contextmanager
 def _quantize_option():
     """Re-raise the runtime's :class:`QuantizationError` (a bad ``quantize`` option) as the user's error."""
     try:
