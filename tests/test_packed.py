@@ -122,3 +122,23 @@ def test_fused_products_are_shared_by_the_slices_that_stand_in_for_the_layers():
     assert len(calls) == 3
     assert torch.equal(parent.v.weight, fused.weight[32:]) and torch.equal(parent.v.bias, fused.bias[32:])
     assert pack_fused(None, parent, ["q"]) is None
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_a_packed_model_keeps_no_mapping_of_its_checkpoint(tiny_model_dir, tmp_path):
+    import gc
+    import shutil
+
+    def mapped(path) -> bool:
+        gc.collect()
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            return any(str(path) in line for line in maps)
+
+    for runtime in ("transformers", "lean"):
+        directory = shutil.copytree(tiny_model_dir, tmp_path / runtime)
+        loaded = load_model(str(directory), dtype="float32", runtime=runtime)
+        checkpoint = directory / "model.safetensors"
+        # transformers' forward reads the weights from the mapped file; packed weights are copies, and the
+        # parameters left (embedding, norms) get their own memory, so the file's pages can go.
+        assert mapped(checkpoint) == (runtime == "transformers")
+        del loaded

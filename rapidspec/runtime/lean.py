@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from rapidspec.runtime.attention import causal_attention
 from rapidspec.runtime.quantization import Int8Linear
-from rapidspec.runtime.packed import pack_fused, pack_linears
+from rapidspec.runtime.packed import pack_fused, pack_linears, release_checkpoint
 
 #: model_type values of transformers configs the lean forward implements.
 LEAN_ARCHITECTURES = ("llama", "qwen2")
@@ -177,6 +177,7 @@ class LeanModel:
             fused.append((qkv, gate_up))
         if pack:
             pack_linears(model)  # o_proj, down_proj, the output layer
+            release_checkpoint(model)
         self.layers = [
             LeanLayer(
                 input_norm=layer.input_layernorm.weight,

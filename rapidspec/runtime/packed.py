@@ -188,6 +188,22 @@ def pack_linears(model: nn.Module) -> int:
     return packed
 
 
+def release_checkpoint(model: nn.Module) -> None:
+    """Give the CPU parameters left after packing (embeddings, norms, biases) memory of their own.
+
+    A safetensors checkpoint is memory-mapped as one file and the loaded
+    weights are views of it; packing frees the linear weights, but while the
+    embedding still views the file every page read during loading stays
+    resident (for Qwen2.5-Coder 0.5B in bfloat16: 1.0 GiB of file pages to keep
+    a 0.25 GiB embedding). Copying the few remaining parameters releases the
+    mapping. Packed weights are already copies of their own.
+    """
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.device.type == "cpu":
+                parameter.data = parameter.data.clone()
+
+
 def packed_bytes(module: PackedLinear) -> int:
     """Bytes of ``module``'s weight and bias as a product reads them (the plain size of the packed weight)."""
     weight = module.out_features * module.in_features * module.packed_weight.element_size()
