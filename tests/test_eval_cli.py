@@ -33,7 +33,7 @@ def test_eval_end_to_end_and_resume(tiny_cli, tmp_path, capsys):
     assert summary["items"] == 2 and summary["new_records"] == 6 and summary["modes"] == ["lc", "rag", "rapid"]
     assert any("mean [95% CI]" in line for line in out)  # the rich table precedes the JSON line
     rows = {row["mode"]: row for row in summary["summary"]}
-    assert rows["rapid"]["n"] == 2 and rows["rapid"]["metric"] == "accuracy" and rows["rapid"]["eta"] == 5.0
+    assert rows["rapid"]["n"] == 2 and rows["rapid"]["metric"] == "choice_accuracy" and rows["rapid"]["eta"] == 5.0
     (who,) = summary["breakdown"]  # the Figure 2 split of rapid's answers by lc's and rag's
     assert who["mode"] == "rapid" and who["n"] == 2 and sum(who["items"].values()) == 2
     assert any("only here" in line for line in out)
@@ -53,7 +53,7 @@ def test_eval_synthetic_and_leval(tiny_cli, tmp_path, capsys):
     assert main(["eval", "--format", "synthetic", "--lengths", "1024", "--per-task", "1", "--modes", "lc,rapid",
                  "--max-new-tokens", "4", *SMALL_RETRIEVAL]) == 0
     summary, _ = last_json(capsys)
-    assert summary["items"] == 3 and {r["metric"] for r in summary["summary"]} == {"recall"}
+    assert summary["items"] == 3 and {r["metric"] for r in summary["summary"]} == {"string_match_all"}
     data = write_leval(tmp_path / "quality.jsonl")
     assert main(["eval", "--data", str(data), "--modes", "lc", "--max-new-tokens", "4", *SMALL_RETRIEVAL]) == 0
     summary, _ = last_json(capsys)

@@ -55,7 +55,7 @@ def test_records_and_summary(items, tiny_model, tmp_path):
     rows = {(row.group, row.mode): row for row in result.summary}
     assert set(rows) == {(g, m) for g in ("leval/quality", "longbench2") for m in MODES}
     row = rows[("leval/quality", "rapid")]
-    assert row.n == 3 and row.metric == "accuracy" and row.ci_low <= row.mean <= row.ci_high
+    assert row.n == 3 and row.metric == "choice_accuracy" and row.ci_low <= row.mean <= row.ci_high
     assert row.speed["mean_accepted_length"] is not None
     # The second question of a document reuses the first one's target cache.
     lc = [r for r in records if r["mode"] == "lc"]

@@ -3,7 +3,9 @@
 * :mod:`.datasets`: :class:`EvalItem` and loaders for LongBench v2, L-Eval and
   LoCoMo in their published formats, with each benchmark's own prompt.
 * :mod:`.synthetic`: RULER-style needle tasks on real prose.
-* :mod:`.metrics`: accuracy, token F1 / EM, ROUGE-L, needle recall, bootstrap CIs.
+* :mod:`.answers`: which option a multiple-choice answer chose.
+* :mod:`.scorers`: the benchmarks' own scorers (SQuAD F1 / EM, LoCoMo F1, ROUGE-L-Sum, RULER's string match).
+* :mod:`.metrics`: one prediction's scores under its benchmark's scorer, bootstrap CIs.
 * :mod:`.runner`: the resumable evaluation loop and its summary (``rapidspec eval``).
 * :mod:`.speed`, :mod:`.plot`: the speed harness and figures (``rapidspec bench``).
 """
@@ -14,7 +16,7 @@ from rapidspec.evaluation.metrics import (
     exact_match,
     extract_choice,
     needle_recall,
-    rouge_l,
+    rouge_l_sum,
     score_prediction,
     token_f1,
 )
@@ -32,7 +34,7 @@ __all__ = [
     "load_items",
     "needle_item",
     "needle_recall",
-    "rouge_l",
+    "rouge_l_sum",
     "run_eval",
     "score_prediction",
     "summarize",

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.items import EvalItem
+from rapidspec.evaluation.scorers import LOCOMO_ADVERSARIAL
 from rapidspec.evaluation.synthetic import synthetic_items
 from rapidspec.prompts import PromptTemplate
 
@@ -139,7 +140,6 @@ LOCOMO_TEMPLATE = PromptTemplate(
         "Question: {question} Short answer:"
     ),
 )
-LOCOMO_ADVERSARIAL = 5
 # Category 2 asks about time; LoCoMo's own prompt then asks for a date.
 _LOCOMO_DATE_HINT = " Use DATE of CONVERSATION to answer with an approximate date."
 
@@ -224,7 +224,7 @@ def load_locomo(samples: list[dict], include_adversarial: bool = False, chat: bo
                 messages = (*history, {"role": "user", "content": LOCOMO_CHAT_QUESTION.format(question=prompt_question)})
             yield EvalItem(
                 id=f"{sample_id}-{q_index}", document=document, question=prompt_question, query=question,
-                answers=(str(answer),), task_type="qa", template=LOCOMO_TEMPLATE,
+                answers=(str(answer),), task_type="qa", template=LOCOMO_TEMPLATE, scorer="locomo_f1",
                 group=f"locomo-chat/cat{category}" if chat else "locomo",
                 meta={"category": category, "evidence": qa.get("evidence", [])}, messages=messages,
             )

@@ -34,6 +34,8 @@ class EvalItem:
     template: PromptTemplate
     group: str
     choices: tuple[str, ...] = ()
+    #: The scorer of its benchmark where the task type's default is not it (``locomo_f1``, :mod:`.scorers`).
+    scorer: str = ""
     meta: dict = field(default_factory=dict, compare=False)
     #: Chat form: the conversation so far, ending with the question as the last user turn
     #: (answered with :meth:`rapidspec.Rapid.chat`; ``document`` is then the transcript, for reference).

@@ -164,7 +164,8 @@ def summarize(records: Sequence[dict], seed: int = 0, resamples: int = 1000) -> 
         if task_type == "mc":
             extra["unanswered"] = sum(r["metrics"].get("extracted") is None for r in cell)
         speed = {name: _mean([r["stats"].get(name) for r in cell]) for name in SPEED_FIELDS}
-        rows.append(SummaryRow(group, mode, eta, gamma, sweep, len(cell), HEADLINE[task_type], mean, low, high, extra, speed))
+        metric = cell[0]["metrics"].get("metric", HEADLINE[task_type])  # records before scorer names: the key
+        rows.append(SummaryRow(group, mode, eta, gamma, sweep, len(cell), metric, mean, low, high, extra, speed))
     return rows
 
 
@@ -273,7 +274,8 @@ def run_eval(
             else:
                 output = engine.generate(item.document, item.question, query=item.query, corpus=corpora.get(item.id),
                                          config=run, prefill_progress=prefill_progress)
-            metrics = score_prediction(item.task_type, output.text, item.answers, len(item.choices))
+            metrics = score_prediction(item.task_type, output.text, item.answers, len(item.choices),
+                                       choices=item.choices, scorer=item.scorer, category=item.meta.get("category"))
             record = {
                 "id": item.id, "group": item.group, "mode": mode, "eta": variant.eta, "gamma": variant.gamma,
                 "sweep": variant.sweep,
