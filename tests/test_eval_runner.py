@@ -117,6 +117,33 @@ def test_config_mismatch_is_an_error_unless_overwrite(items, tiny_model, tmp_pat
         run(items[:1], tiny_model, path, modes=("lc",), max_new_tokens=5)
 
 
+def test_resume_needs_the_same_models_backend_and_decode_knobs(items, tiny_model, tmp_path):
+    from dataclasses import replace
+
+    import torch
+
+    path = tmp_path / "results.jsonl"
+    run(items[:1], tiny_model, path, modes=("lc",))
+    stored = read(path)[0]["config"]
+    assert stored["target"]["dtype"] == "float32" and stored["drafter_backend"] == "torch"
+    assert stored["decode"]["top_p"] == 1.0 and stored["decode"]["residual"] == "exact"
+    other_dtype = replace(tiny_model, dtype=torch.bfloat16)  # only the description matters before a run
+    changes = [
+        ({"target": other_dtype}, 'target.dtype: "float32" -> "bfloat16"'),
+        ({"target": replace(tiny_model, quantization="int8")}, "target.quantization"),
+        ({"drafter": replace(tiny_model, name="other")}, "drafter"),
+        ({"decode_options": {"top_p": 0.9}}, "decode.top_p: 1.0 -> 0.9"),
+        ({"decode_options": {"draft_gate": 0.0}}, "decode.draft_gate"),
+        ({"decode_options": {"gamma_schedule": "heuristic"}}, "decode.gamma_schedule"),
+    ]
+    for change, named in changes:
+        options = {"modes": ("lc",), **change}
+        model = options.pop("target", tiny_model)
+        with pytest.raises(RapidspecError, match=named.replace(".", r"\.")):
+            run(items[:1], model, path, **options)
+    assert len(read(path)) == 1  # nothing was merged
+
+
 def test_bad_arguments(items, tiny_model):
     with pytest.raises(RapidspecError, match="unknown mode"):
         run(items, tiny_model, None, modes=("fast",))

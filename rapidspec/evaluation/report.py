@@ -20,6 +20,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown, speedups
 from rapidspec.evaluation.report_plots import plot_file
 from rapidspec.evaluation.runner import SummaryRow, read_records, summarize
+from rapidspec.evaluation.run_config import drafter_name
 
 #: Table 1, LLaMA-3.1-8B target, self-speculation: LongBench v2 overall accuracy (%) and decode speedup.
 PAPER_TABLE1 = {
@@ -197,7 +198,7 @@ def file_section(path: str | Path, records: list[dict], figures: list[str], per_
     groups = list(dict.fromkeys(r["group"] for r in records))
     longest = max(r["stats"].get("prompt_tokens_target") or 0 for r in records)
     head = [f"## {Path(path).name}", "",
-            f"Model {config.get('model')}, drafter {config.get('drafter') or 'the target (self-speculation)'}; "
+            f"Model {config.get('model')}, drafter {drafter_name(config) or 'the target (self-speculation)'}; "
             f"data {config.get('data')}; {len({r['id'] for r in records})} items, {len(records)} runs; "
             f"temperature {config.get('temperature')}, seed {config.get('seed')}; retrieval "
             f"{(config.get('retrieval') or {}).get('method')}; longest target prompt {longest} tokens"
@@ -244,6 +245,6 @@ def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "rap
 
 def model_pair(config: dict) -> str:
     """``"target <- drafter"`` as a results file's configuration names them (speed pools only within a pair)."""
-    return f"{config.get('model')} ← {config.get('drafter') or 'self'}"
+    return f"{config.get('model')} ← {drafter_name(config) or 'self'}"
 
 

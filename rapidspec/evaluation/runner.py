@@ -13,8 +13,10 @@ Contract:
   None. A rerun with the same
   file skips every key already there: nothing is lost or repeated. A partial
   last line (a run killed mid-write) is dropped on resume. Every record holds
-  the run's ``config`` (model, data, temperature, token limit, retrieval,
-  seed); a file written under another config is an error unless
+  the run's ``config`` (:func:`~rapidspec.evaluation.run_config.run_config`:
+  target and drafter with dtype, quantization, runtime and device, the
+  drafter backend, data, retrieval and every decode knob); a file written
+  under another config is refused with one line naming what differs, unless
   ``overwrite`` (which starts the file afresh).
 * Summary: one row per (task group, mode, eta, gamma, sweep point) over the records of the
   current selection: n, the headline metric's mean with a seeded percentile
@@ -37,6 +39,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.bench_inputs import Sweep
 from rapidspec.evaluation.datasets import EvalItem
 from rapidspec.evaluation.metrics import HEADLINE, bootstrap_ci, score_prediction
+from rapidspec.evaluation.run_config import run_config
 from rapidspec.evaluation.variants import eval_variants
 
 DEFAULT_MODES = ("lc", "rag", "rapid")
@@ -72,6 +75,18 @@ def read_records(path: Path) -> tuple[list[dict], int]:
     return records, complete
 
 
+def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
+    """``"target.dtype: bfloat16 -> float32"`` for each leaf that differs between two configurations."""
+    out = []
+    for key in sorted(set(stored) | set(current)):
+        old, new = stored.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += config_differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            out.append(f"{prefix}{key}: {json.dumps(old)} -> {json.dumps(new)}")
+    return out
+
+
 class ResultsFile:
     """An append-only JSON-lines file of records, read back on resume."""
 
@@ -85,12 +100,9 @@ class ResultsFile:
             self.records = self._load()
             for record in self.records:
                 if record.get("config") != config:
-                    diff = sorted(
-                        k for k in set(config) | set(record.get("config") or {})
-                        if config.get(k) != (record.get("config") or {}).get(k)
-                    )
+                    changes = "; ".join(config_differences(record.get("config") or {}, config)[:4])
                     raise RapidspecError(
-                        f"{self.path} holds results of another configuration (differs in {', '.join(diff)}); "
+                        f"{self.path} holds results of another configuration ({changes}); "
                         "use another --results file or --overwrite"
                     )
         else:
@@ -214,6 +226,7 @@ def run_eval(
     retrieve from for every item. ``on_record`` is
     called after each record is written (tests use it to simulate an interruption).
     """
+    from rapidspec.drafting.backends import choose_backend
     from rapidspec.engine import Rapid
     from rapidspec.retrieval import RetrievalConfig, Retriever
 
@@ -229,24 +242,14 @@ def run_eval(
     retrieval = retrieval or RetrievalConfig()
     decode_options = dict(decode_options or {})
     corpora = retrieval_corpora(items, retrieve_from, other_items)
-    config = {
-        "model": getattr(target, "name", type(target).__name__),
-        "drafter": (drafter if isinstance(drafter, str) else getattr(drafter, "label", getattr(drafter, "name", None)))
-        if drafter is not None else None,
-        "data": data_label,
-        "temperature": temperature,
-        "max_new_tokens": max_new_tokens,
-        "seed": seed,
-        "retrieval": {"method": retrieval.method, "chunk_tokens": retrieval.chunk_tokens,
-                      "budget_tokens": retrieval.budget_tokens, "embedding_model": retrieval.embedding_model},
-        **({"decode": decode_options} if decode_options else {}),
-        **({"retrieve_from": retrieve_from} if retrieve_from is not None else {}),
-    }
+    base = DecodeConfig(**{"mode": "rapid", "eta": eta, "gamma": gamma, "max_gamma": max(gamma, DecodeConfig.max_gamma),
+                           "temperature": temperature, "seed": seed, **decode_options})
+    backend = choose_backend(base.drafter_backend, target, drafter)
+    config = run_config(target, drafter, backend, base, data=data_label, max_new_tokens=max_new_tokens,
+                        retrieval=retrieval, retrieve_from=retrieve_from)
     store = ResultsFile(results, config, overwrite=overwrite)
     done = store.keys()
 
-    base = DecodeConfig(**{"mode": "rapid", "eta": eta, "gamma": gamma, "max_gamma": max(gamma, DecodeConfig.max_gamma),
-                           "temperature": temperature, "seed": seed, **decode_options})
     wanted = [(item, variant) for item in items for variant in eval_variants(modes, base, sweep)]
     pending = [(item, v) for item, v in wanted if record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) not in done]
     engine = Rapid(target, drafter, retrieval=retrieval) if pending else None
