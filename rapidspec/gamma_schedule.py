@@ -222,7 +222,13 @@ class ConstantSchedule:
 
 
 class HeuristicSchedule:
-    """+2 after a round that kept all its drafts, -1 otherwise, within [1, max_gamma]."""
+    """+2 after a round that kept all its drafts, -1 otherwise, within [1, max_gamma].
+
+    As transformers' ``num_assistant_tokens_schedule="heuristic"``: the step
+    applies to the current gamma, and "kept all" is judged on the drafts the
+    round made, so a round cut short by ``draft_confidence`` (or the token
+    limit) whose drafts were all kept still grows gamma.
+    """
 
     def __init__(self, gamma: int, max_gamma: int) -> None:
         self.gamma, self.max_gamma = gamma, max_gamma
@@ -233,7 +239,7 @@ class HeuristicSchedule:
     def record(self, round_: RoundRecord) -> None:
         if round_.drafted:
             grow = round_.accepted == round_.drafted
-            self.gamma = min(self.max_gamma, round_.drafted + 2) if grow else max(1, round_.drafted - 1)
+            self.gamma = min(self.max_gamma, self.gamma + 2) if grow else max(1, self.gamma - 1)
 
 
 class CostSchedule:

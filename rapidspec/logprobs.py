@@ -50,7 +50,7 @@ def output_logprobs(
         scaled = target_logits.float()  # [n, V]
         draft_probs = None if draft_rows is None else draft_rows.float().softmax(-1)  # [r, V]
     else:
-        scaled = filter_logits(target_logits.float(), top_k, top_p) / temperature  # [n, V]
+        scaled = filter_logits(target_logits.float() / temperature, top_k, top_p)  # [n, V]
         draft_probs = draft_rows  # [r, V]
     logits = scaled.clone()
     if eta > 0 and draft_probs is not None and draft_probs.shape[0] > 0:

@@ -2,9 +2,10 @@
 
 No model, no cache, no state. For one step with vocabulary V and temperature T > 0::
 
-    z  = target logits after the processors (top-k, top-p)
+    z  = target logits; z / T then filtered by top-k / top-p (the temperature
+         first, as transformers and OpenAI apply them), written z / T below
     p  = softmax(z / T)                        target_probs
-    q  = softmax(z_d / T)                      draft_probs
+    q  = softmax(z_d / T)                      draft_probs (same filters)
     g  = (q - p) where q >= alpha * max(q), else 0        the draft gate
     p^ = softmax(z / T + eta * g)              augmented_probs (paper Eq. 6)
 
@@ -36,7 +37,8 @@ Residual = Literal["exact", "paper"]
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Mask logits outside the top-k / top-p nucleus with -inf.
 
-    ``logits``: [k, V]. ``top_k = 0`` and ``top_p = 1`` disable the filters.
+    ``logits``: [k, V], already divided by the temperature (the nucleus
+    depends on it). ``top_k = 0`` and ``top_p = 1`` disable the filters.
     The nucleus keeps the smallest set of most likely tokens whose probability
     reaches ``top_p`` (always at least one token).
     """
@@ -264,7 +266,7 @@ def verify(
                 choices[k:] = greedy_target_choices(target_logits[k:], row[None], eta, alpha)
         return Verdict(accepted, int(choices[accepted]), used_bonus)
 
-    scaled = filter_logits(target_logits, top_k, top_p) / temperature  # [k+1, V]
+    scaled = filter_logits(target_logits / temperature, top_k, top_p)  # [k+1, V] temperature first, as HF does
     target_probs = scaled.softmax(-1)  # [k+1, V]
     augmented_probs = target_probs.clone()  # [k+1, V]
     if eta > 0 and draft_rows is not None and k > 0:

@@ -157,6 +157,11 @@ def test_constant_and_heuristic_schedules():
     assert steps == [4, 6, 7, 7, 6, 5]
     heuristic.record(round_record(0, 0))  # a round with one token left drafts nothing: no change
     assert heuristic.next_drafts() == 5
+    # a round stopped early (draft_confidence) after 2 of 5 drafts, both kept: 5 + 2, as transformers does
+    heuristic.record(round_record(2, 2))
+    assert heuristic.next_drafts() == 7
+    heuristic.record(round_record(2, 1))  # not all kept: 7 - 1, not 2 - 1
+    assert heuristic.next_drafts() == 6
 
 
 def test_new_schedule_follows_the_config():

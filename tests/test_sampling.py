@@ -152,3 +152,22 @@ def test_verify_asks_for_the_bonus_row_only_when_all_drafts_pass_and_eta_is_posi
     assert accepted.next_token == 4  # argmax(z + eta * g) with q at the bonus position
     plain = sampling.verify(logits[:1], [], None, eta=0.0, alpha=0.1, temperature=0.0, bonus_row=bonus)
     assert (plain.accepted, plain.next_token) == (0, 1) and calls == [1]  # k = 0: a plain step
+
+
+def test_temperature_comes_before_top_k_and_top_p_as_in_transformers():
+    """p is softmax of the logits at the temperature, then filtered: transformers' warpers in their order."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from rapidspec.logprobs import output_logprobs
+
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0]])  # [1, V]
+    for temperature, top_k, top_p in [(2.0, 0, 0.7), (0.5, 0, 0.7), (2.0, 3, 0.9)]:
+        expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        expected = TopPLogitsWarper(top_p)(None, expected).log_softmax(-1)
+        got = output_logprobs(logits, None, eta=0.0, alpha=0.1, temperature=temperature, top_k=top_k, top_p=top_p)
+        torch.testing.assert_close(got, expected)
+    # The order matters: at T = 2 the nucleus of 0.7 keeps three tokens, filtering first would keep two.
+    hot = output_logprobs(logits, None, eta=0.0, alpha=0.1, temperature=2.0, top_p=0.7)
+    assert torch.isfinite(hot).sum() == 3 and torch.isfinite(sampling.filter_logits(logits, top_p=0.7)).sum() == 2

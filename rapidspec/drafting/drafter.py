@@ -53,12 +53,12 @@ def draft_row(logits: torch.Tensor, config, device: torch.device) -> torch.Tenso
     """What verification keeps of a drafter position ([V] -> [V] on ``device``).
 
     Greedy: the raw logits (q is taken at T = 1 by :func:`sampling.verify`).
-    Sampling: q, the filtered logits at the temperature, normalised.
+    Sampling: q, the logits at the temperature, then filtered (HF's order), normalised.
     """
     if config.greedy:
         return logits.to(device)
-    filtered = sampling.filter_logits(logits[None].to(device), config.top_k, config.top_p)  # [1, V]
-    return (filtered / config.temperature).softmax(-1)[0]
+    scaled = logits[None].to(device) / config.temperature  # [1, V]
+    return sampling.filter_logits(scaled, config.top_k, config.top_p).softmax(-1)[0]
 
 
 class Drafter:
