@@ -23,8 +23,10 @@ template. Where the long context comes from decides what the drafter reads
 the same last user message, so their continuations align token for token.
 
 A prompt longer than its window is refused (``truncate="error"``,
-:class:`ContextLengthError`) or shortened (``"middle"``): the oldest turns are
-dropped first, then the middle of the longest message is cut.
+:class:`ContextLengthError`) or shortened (``"middle"``, :func:`fit_messages`):
+the middle of the documents is cut first, then the oldest turns are dropped,
+then the middle of the longest message is cut, each in steps that keep the
+prompt's start the same over the next turns (so the prefix cache still hits).
 
 ``raw=True`` renders without chat template or role labels (the text
 completions route): the messages' contents joined by blank lines.
@@ -186,11 +188,12 @@ def chat_prompts(
 
     target_reads_retrieved = spec.target_reads == "retrieved"
     target_messages = short_messages if target_reads_retrieved else long_messages
-    target_ids, truncated = fit_messages(tokenizer, target_messages, target_window, truncate, raw)
+    document_at = 0 if documents else None  # the system message that holds them
+    target_ids, truncated = fit_messages(tokenizer, target_messages, target_window, truncate, raw, document_at)
     drafter_ids = None
     if spec.drafter_reads in ("full", "retrieved"):  # a streaming view is the engine's
         drafter_messages = short_messages if spec.drafter_reads == "retrieved" else target_messages
-        drafter_ids = tuple(fit_messages(tokenizer, drafter_messages, drafter_window, truncate, raw)[0])
+        drafter_ids = tuple(fit_messages(tokenizer, drafter_messages, drafter_window, truncate, raw, document_at)[0])
     return PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, target_reads_retrieved, turns)
 
 
@@ -224,8 +227,19 @@ def _split_pasted(text: str) -> tuple[str, str, str]:
     return "", "", text
 
 
-def fit_messages(tokenizer, messages: Sequence[Message], window: int, truncate: str, raw: bool = False) -> tuple[list[int], int]:
-    """Rendered ``messages`` within ``window`` tokens, and how many tokens were removed to fit."""
+def fit_messages(tokenizer, messages: Sequence[Message], window: int, truncate: str, raw: bool = False,
+                 document_at: int | None = None) -> tuple[list[int], int]:
+    """Rendered ``messages`` within ``window`` tokens, and how many tokens were removed to fit.
+
+    In order: 1 cut the middle of the documents (the message at
+    ``document_at``, when given); 2 drop the oldest turns (the conversation
+    still starts with a user turn); 3 cut the middle of the longest message.
+    Cuts and drops remove whole quanta of :func:`cut_quantum` tokens, so the
+    next turns of a growing conversation get the very same cut until the
+    conversation outgrows it: their prompts keep the same start, and the
+    prefix cache serves it. Turns are dropped by their measured token counts,
+    so the prompt is rendered a few times, not once per dropped turn.
+    """
     messages = list(messages)
     ids = render(tokenizer, messages, raw)
     if len(ids) <= window:
@@ -235,27 +249,74 @@ def fit_messages(tokenizer, messages: Sequence[Message], window: int, truncate: 
             f"the prompt has {len(ids)} tokens but the model's window leaves {window} for it after the answer's "
             f"max tokens; shorten the input, lower the answer length, or set truncate='middle'"
         )
-    original = len(ids)
-    first = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
-    # 1 drop the oldest turns (a conversation must still start with a user turn)
-    while len(ids) > window and len(messages) - first > 1:
-        del messages[first]
-        while len(messages) - first > 1 and messages[first].role != "user":
-            del messages[first]
-        ids = render(tokenizer, messages, raw)
-    # 2 cut the middle of the longest message
-    for _ in range(3):
+    original, quantum = len(ids), cut_quantum(window)
+    if document_at is not None:  # 1
+        ids = _cut_message(tokenizer, messages, document_at, len(ids) - window, quantum, raw, MIN_DOCUMENT_TOKENS)
+    if len(ids) > window:  # 2
+        ids = _drop_oldest_turns(tokenizer, messages, ids, window, quantum, raw)
+    for _ in range(3):  # 3 (seams may leave a few tokens over)
         if len(ids) <= window:
             break
         longest = max(range(len(messages)), key=lambda i: len(messages[i].content))
-        excess = len(ids) - window + _MARGIN_TOKENS
-        content_ids = tokenizer(messages[longest].content, add_special_tokens=False)["input_ids"]
-        keep = len(content_ids) - excess
-        if keep < 2:
-            raise ContextLengthError(f"the prompt cannot be cut to fit {window} tokens of the window")
-        messages[longest] = Message(messages[longest].role, cut_middle(tokenizer, content_ids, keep))
-        ids = render(tokenizer, messages, raw)
+        ids = _cut_message(tokenizer, messages, longest, len(ids) - window, quantum, raw, 2, strict=True)
     if len(ids) > window:
         raise ContextLengthError(f"the prompt cannot be cut to fit {window} tokens of the window")
     logger.warning("prompt of %d tokens is longer than the window allows; cut to %d tokens", original, len(ids))
     return ids, original - len(ids)
+
+
+#: Fewest tokens of the documents that a cut keeps before turns are dropped.
+MIN_DOCUMENT_TOKENS = 256
+
+
+def cut_quantum(window: int) -> int:
+    """Tokens a cut or a drop removes a multiple of: 1/16 of the window (at least the seam margin)."""
+    return max(_MARGIN_TOKENS, window // 16)
+
+
+def _rounded(excess: int, quantum: int) -> int:
+    """``excess`` plus the seam margin, rounded up to a multiple of ``quantum``."""
+    return -(-(excess + _MARGIN_TOKENS) // quantum) * quantum
+
+
+def _cut_message(tokenizer, messages: list[Message], index: int, excess: int, quantum: int, raw: bool,
+                 min_keep: int, strict: bool = False) -> list[int]:
+    """Cut the middle of ``messages[index]`` (in place) by ``excess`` rounded up to the quantum; new render.
+
+    Keeps at least ``min_keep`` tokens (so it may remove less); ``strict``:
+    raise when even that cannot remove ``excess``.
+    """
+    content_ids = tokenizer(messages[index].content, add_special_tokens=False)["input_ids"]
+    keep = max(min_keep, len(content_ids) - _rounded(excess, quantum))
+    if strict and len(content_ids) - keep < excess:
+        keep = len(content_ids) - excess - _MARGIN_TOKENS
+        if keep < min_keep:
+            raise ContextLengthError("the prompt cannot be cut to fit the window")
+    if keep < len(content_ids):
+        messages[index] = Message(messages[index].role, cut_middle(tokenizer, content_ids, keep))
+    return render(tokenizer, messages, raw)
+
+
+def _drop_oldest_turns(tokenizer, messages: list[Message], ids: list[int], window: int, quantum: int,
+                       raw: bool) -> list[int]:
+    """Drop the oldest non-system turns (in place) until the prompt fits; returns its new render."""
+    first = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    turns = messages[first:]
+    if len(turns) < 2:
+        return ids
+    contents = tokenizer([m.content for m in turns], add_special_tokens=False)["input_ids"]
+    per_turn = [len(c) for c in contents]
+    overhead = max(0, len(ids) - sum(per_turn)) // len(messages)  # role labels, template tokens
+    target = _rounded(len(ids) - window, quantum)
+    dropped = removed = 0
+    while dropped < len(turns) - 1 and (removed < target or turns[dropped].role != "user"):
+        removed += per_turn[dropped] + overhead
+        dropped += 1
+    while True:
+        del messages[first:first + dropped]
+        ids = render(tokenizer, messages, raw)
+        if len(ids) <= window or len(messages) - first < 2:
+            return ids
+        dropped = 1  # the estimate fell short at the seams: one more turn (and any non-user after it)
+        while len(messages) - first - dropped > 1 and messages[first + dropped].role != "user":
+            dropped += 1

@@ -159,6 +159,45 @@ def test_too_long_is_refused_or_cut_oldest_turns_first(byte_tokenizer):
     assert len(ids) <= 1000 and text(byte_tokenizer, ids).endswith("What?\n\nAssistant:")
 
 
+def common_prefix(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_documents_are_cut_before_turns_are_dropped_and_later_turns_keep_the_start(byte_tokenizer):
+    documents = ["\n\n".join(FILLER * 4)]
+    conversation = history()
+    pair = prompts(byte_tokenizer, conversation, documents, mode="lc", window=3000)
+    cut = text(byte_tokenizer, pair.target_ids)
+    assert pair.truncated_tokens > 0 and len(pair.target_ids) <= 3000
+    assert NEEDLE in cut and FILLER[0] in cut  # every turn kept: the documents gave way
+    assert cut.count(FILLER[5]) < 5  # (the documents held it four times, the turns once)
+    # The next exchange adds fewer tokens than a cut step: the same cut, so all of the earlier prompt is a prefix.
+    later = [*conversation[:-1], {"role": "user", "content": QUESTION}, {"role": "assistant", "content": "Pixel."},
+             {"role": "user", "content": "And where does Ada live?"}]
+    next_pair = prompts(byte_tokenizer, later, documents, mode="lc", window=3000)
+    question_at = len(pair.target_ids) - len(byte_tokenizer(f"{QUESTION}\n\nAssistant:")["input_ids"]) - 8
+    assert common_prefix(pair.target_ids, next_pair.target_ids) >= question_at
+
+
+def test_dropped_turns_go_in_steps_with_few_renders(byte_tokenizer, monkeypatch):
+    import rapidspec.conversation as conversation
+
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "talk " * 20} for i in range(400)]
+    messages = parse_messages([*turns, {"role": "user", "content": QUESTION}])
+    renders = []
+    real_render = conversation.render
+    monkeypatch.setattr(conversation, "render", lambda *a, **k: renders.append(1) or real_render(*a, **k))
+    ids, removed = fit_messages(byte_tokenizer, messages, 4000, "middle")
+    assert len(ids) <= 4000 and removed > 0 and len(renders) <= 4  # about 300 turns dropped
+    first_kept = text(byte_tokenizer, ids)
+    assert first_kept.startswith("User: Turn ")  # still starts with a user turn
+    # One more short exchange: the same turns are dropped, the prompt starts the same.
+    more = parse_messages([*turns, {"role": "user", "content": QUESTION}, {"role": "assistant", "content": "Pixel."},
+                           {"role": "user", "content": "Thanks."}])
+    again, _ = fit_messages(byte_tokenizer, more, 4000, "middle")
+    assert common_prefix(ids, again) >= len(ids) - 40
+
+
 def engine(model, drafter=None) -> Rapid:
     return Rapid(model, drafter, retrieval=RETRIEVAL)
 
