@@ -46,6 +46,10 @@ def register(subparsers) -> None:
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N items only")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated modes (default: %(default)s)")
     parser.add_argument("--results", default=None, metavar="FILE.jsonl", help="append one JSON line per (item, mode); rerun to resume")
+    parser.add_argument("--judge", default=None, metavar="MODEL",
+                        help="rate open answers (short answers, summaries) 1-10 with this local model as an LLM judge "
+                             "(builtin:NAME, an HF id or dir, a .gguf file; auto = the largest built-in model "
+                             "installed); not comparable with GPT-4 scores")
     parser.add_argument("--overwrite", action="store_true", help="start --results afresh even if it holds another configuration")
     parser.add_argument("--include-adversarial", action="store_true", help="LoCoMo: keep category 5 (adversarial) questions")
     parser.add_argument("--sweep", default=None, metavar="NAME=V1,V2,...",
@@ -104,6 +108,13 @@ def run(args: argparse.Namespace) -> int:
         items = load_items(args.data, args.format, include_adversarial=args.include_adversarial)
 
     target, drafter = load_models(args)
+    judge = None
+    if args.judge is not None:
+        from rapidspec.evaluation.judge import Judge, largest_installed_model
+        from rapidspec.models import load_model
+
+        name = largest_installed_model() if args.judge == "auto" else args.judge
+        judge = Judge(load_model(name, dtype=args.dtype, device=args.device))
     if synthetic:
         too_long = [n for n in lengths if n > target.max_context]
         if too_long:
@@ -122,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         results=args.results, overwrite=args.overwrite, data_label=label, decode_options=passed,
         sweep=sweep, retrieve_from=args.retrieve_from, other_items=every_item, prefill_progress=prefill_bar(args.quiet),
+        judge=judge,
     )
     who = breakdown(result.records)
     if not args.json_only:
@@ -130,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         if who:
             console.print(breakdown_table(who))
     print(json.dumps({
-        "model": target.name, "data": label, "items": len(items), "modes": list(modes),
+        "model": target.name, "data": label, "judge": judge.name if judge is not None else None, "items": len(items), "modes": list(modes),
         "new_records": result.new_records, "resumed_records": result.skipped, "results": args.results,
         "summary": [row.to_dict() for row in result.summary], "breakdown": [row.to_dict() for row in who],
     }))
@@ -154,16 +166,21 @@ def _fmt(value, spec: str) -> str:
 
 
 def summary_table(rows, title: str | None = None) -> Table:
-    table = Table(title=title)
-    for name in ("task", "mode", "η", "γ", "sweep", "n", "metric", "mean [95% CI]", "EM", "no answer", "decode tok/s", "accept",
-                 "mean acc. len", "prefill s"):
+    judges = sorted({row.extra["judge"] for row in rows if "judge" in row.extra})
+    caption = (f"judge ratings 1-10 by {', '.join(judges)}, a local model: not comparable with GPT-4 scores"
+               if judges else None)
+    table = Table(title=title, caption=caption)
+    for name in ("task", "mode", "η", "γ", "sweep", "n", "metric", "mean [95% CI]", "EM", "no answer",
+                 *(("judge 1-10", "unrated") if judges else ()), "decode tok/s", "accept", "mean acc. len", "prefill s"):
         table.add_column(name, justify="left" if name in ("task", "mode", "sweep", "metric") else "right")
     for row in rows:
+        judged = (_fmt(row.extra.get("judge_rating"), ".2f"), _fmt(row.extra.get("judge_unrated"), "d")) if judges else ()
         table.add_row(
             row.group, row.mode, f"{row.eta:g}", _fmt(row.gamma, "d"), row.sweep or "-", str(row.n), row.metric,
             f"{row.mean:.3f} [{row.ci_low:.3f}, {row.ci_high:.3f}]",
             _fmt(row.extra.get("em"), ".3f"),
             _fmt(row.extra.get("unanswered"), "d"),
+            *judged,
             _fmt(row.speed.get("decode_tokens_per_second"), ".2f"),
             _fmt(row.speed.get("acceptance_rate"), ".1%"),
             _fmt(row.speed.get("mean_accepted_length"), ".2f"),

@@ -38,6 +38,7 @@ from rapidspec.config import MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.bench_inputs import Sweep
 from rapidspec.evaluation.datasets import EvalItem
+from rapidspec.evaluation.judge import JUDGED_TASK_TYPES
 from rapidspec.evaluation.metrics import HEADLINE, bootstrap_ci, score_prediction
 from rapidspec.evaluation.run_config import run_config
 from rapidspec.evaluation.variants import eval_variants
@@ -175,6 +176,11 @@ def summarize(records: Sequence[dict], seed: int = 0, resamples: int = 1000) -> 
             extra["em"] = _mean([r["metrics"].get("em") for r in cell])
         if task_type == "mc":
             extra["unanswered"] = sum(r["metrics"].get("extracted") is None for r in cell)
+        judged = [r["metrics"] for r in cell if "judge" in r["metrics"]]
+        if judged:  # a local judge's 1-10 ratings: not comparable with GPT-4's
+            extra["judge"] = judged[0]["judge"]
+            extra["judge_rating"] = _mean([m.get("judge_rating") for m in judged])
+            extra["judge_unrated"] = sum(m.get("judge_rating") is None for m in judged)
         speed = {name: _mean([r["stats"].get(name) for r in cell]) for name in SPEED_FIELDS}
         metric = cell[0]["metrics"].get("metric", HEADLINE[task_type])  # records before scorer names: the key
         rows.append(SummaryRow(group, mode, eta, gamma, sweep, len(cell), metric, mean, low, high, extra, speed))
@@ -213,6 +219,7 @@ def run_eval(
     on_record: Callable[[dict], None] | None = None,
     progress: bool = True,
     prefill_progress: Callable[[int, int], None] | None = None,
+    judge=None,
 ) -> EvalRun:
     """Run every item under every mode (and sweep point, :mod:`.variants`) and score it.
 
@@ -225,6 +232,8 @@ def run_eval(
     unrelated retrieval, the paper's Table 3) or the path of a text file to
     retrieve from for every item. ``on_record`` is
     called after each record is written (tests use it to simulate an interruption).
+    ``judge``: a :class:`~rapidspec.evaluation.judge.Judge` that rates open
+    answers (``qa``, ``summary``) into ``metrics`` (``judge``, ``judge_rating``).
     """
     from rapidspec.drafting.backends import choose_backend
     from rapidspec.engine import Rapid
@@ -247,6 +256,8 @@ def run_eval(
     backend = choose_backend(base.drafter_backend, target, drafter)
     config = run_config(target, drafter, backend, base, data=data_label, max_new_tokens=max_new_tokens,
                         retrieval=retrieval, retrieve_from=retrieve_from)
+    if judge is not None:
+        config["judge"] = judge.name
     store = ResultsFile(results, config, overwrite=overwrite)
     done = store.keys()
 
@@ -279,6 +290,8 @@ def run_eval(
                                          config=run, prefill_progress=prefill_progress)
             metrics = score_prediction(item.task_type, output.text, item.answers, len(item.choices),
                                        choices=item.choices, scorer=item.scorer, category=item.meta.get("category"))
+            if judge is not None and item.task_type in JUDGED_TASK_TYPES:
+                metrics.update(judge.rate(item.question, output.text, item.answers))
             record = {
                 "id": item.id, "group": item.group, "mode": mode, "eta": variant.eta, "gamma": variant.gamma,
                 "sweep": variant.sweep,
