@@ -9,8 +9,13 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
 
 
+def strip_punctuation(text: str) -> str:
+    """``text`` without ASCII punctuation (``string.punctuation``)."""
+    return "".join(ch for ch in text if ch not in _PUNCTUATION)
+
+
 def normalize_answer(text: str) -> str:
     """SQuAD normalisation: lower case, drop punctuation and articles, squeeze spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    text = strip_punctuation(text.lower())
     text = _ARTICLES.sub(" ", text)
     return " ".join(text.split())

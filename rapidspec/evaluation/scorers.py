@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import functools
 import re
-import string
 from collections import Counter
 from collections.abc import Sequence
 
-from rapidspec.evaluation.normalize import normalize_answer
+from rapidspec.evaluation.normalize import normalize_answer, strip_punctuation
 
 #: Scorer names, as records and summaries print them.
 SCORERS = ("choice_accuracy", "squad_f1", "locomo_f1", "rouge_lsum", "string_match_all")
@@ -38,7 +37,6 @@ SCORERS = ("choice_accuracy", "squad_f1", "locomo_f1", "rouge_lsum", "string_mat
 LOCOMO_ADVERSARIAL = 5
 _LOCOMO_REFUSALS = ("no information available", "not mentioned")
 _LOCOMO_DROP = re.compile(r"\b(a|an|the|and)\b")
-_PUNCTUATION = set(string.punctuation)
 
 
 def _as_list(golds: str | Sequence[str]) -> list[str]:
@@ -77,7 +75,7 @@ def _porter():
 
 def _locomo_tokens(text: str) -> list[str]:
     """LoCoMo's normalisation (commas, case, punctuation, ``a an the and``), then Porter stems."""
-    text = "".join(ch for ch in text.replace(",", "").lower() if ch not in _PUNCTUATION)
+    text = strip_punctuation(text.replace(",", "").lower())
     stem = _porter().stem
     return [stem(word) for word in _LOCOMO_DROP.sub(" ", text).split()]
 
