@@ -233,6 +233,7 @@ class Rapid:
         schedule: GammaSchedule | None = None,
         should_stop: Callable[[], bool] | None = None,
         prefill_progress: Callable[[int, int], None] | None = None,
+        yield_prefill_chunks: bool = False,
     ) -> Iterator[StreamChunk]:
         """Prefill and decode ``prompts`` (from :meth:`document_prompts` or :meth:`chat_prompts`).
 
@@ -244,7 +245,9 @@ class Rapid:
         (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops after the current round;
         ``should_stop()`` is asked between the target's prefill chunks, and when it says yes the
         prefill ends with :class:`~rapidspec.runtime.errors.PrefillStopped` (a server's cancelled request);
-        ``prefill_progress(done, total)`` hears of each target prefill chunk (a progress bar).
+        ``prefill_progress(done, total)`` hears of each target prefill chunk (a progress bar);
+        ``yield_prefill_chunks`` yields an empty chunk after each of them, so a caller that advances
+        several generations in turn (the server's worker) runs others during a long prefill.
         ``config.time_limit_s`` ends the answer with stop reason ``time`` (a RapidspecError when the
         prefill alone takes longer).
         """
@@ -266,9 +269,9 @@ class Rapid:
             use_store = self.reuse_document_cache and not prompts.target_reads_retrieved
             room = len(target_seq) + config.max_new_tokens + config.max_gamma + 1  # all a generation can hold
             try:
-                target_cache = self._prefill_target(
+                target_cache = yield from self._prefill_target(
                     target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()),
-                    prefill_progress)
+                    prefill_progress, StreamChunk(text="") if yield_prefill_chunks else None)
             except PrefillStopped:
                 if out_of_time():
                     raise RapidspecError(f"the prefill of {len(target_seq)} prompt tokens did not finish within "
@@ -325,10 +328,11 @@ class Rapid:
         return target_window, max(16, drafter_context - config.max_new_tokens)
 
     def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, room: int, should_stop,
-                        progress=None):
-        """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix.
+                        progress=None, tick: StreamChunk | None = None):
+        """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix; returns the cache.
 
-        The cache is allocated once with ``room`` positions, so the generation never grows it.
+        A generator: yields ``tick`` after each chunk when one is given. The cache is allocated once with
+        ``room`` positions, so the generation never grows it.
         """
         wanted = token_ids[:-1]
         cache = None
@@ -337,7 +341,15 @@ class Rapid:
         if cache is None:
             cache = new_kv_cache(self.target, self.prefill_chunk_tokens)
         cache.reserve(room)
-        cache.prefill(wanted[cache.length :], should_stop, progress)
+        rest = wanted[cache.length :]
+        step = len(rest) if tick is None else self.prefill_chunk_tokens  # one call chunks the rest itself
+        for start in range(0, len(rest), max(step, 1)):
+            if start and should_stop():
+                raise PrefillStopped(f"prefill stopped after {start} of {len(rest)} tokens")
+            cache.prefill(rest[start : start + step], should_stop,
+                          None if progress is None else lambda done, total, start=start: progress(start + done, len(rest)))
+            if tick is not None:
+                yield tick
         return cache
 
     def _start_drafter(self, prompts: PromptPair, config: DecodeConfig, stats: GenerationStats):

@@ -115,6 +115,12 @@ def test_load_config_validation_and_body():
                     "stream_options": {"include_usage": True}, "documents": ["doc"], "ignore_eos": True, "mode": "lc"}
     assert config.headers == {"Authorization": "Bearer s3cret"} and "s3cret" not in repr(config)
     assert "api_key" not in config.describe() and config.describe()["request_rate"] == "inf"
+    mixed = LoadConfig(base_url="http://h:1", max_tokens=(8, 128))
+    request = BenchRequest(({"role": "user", "content": "q"},))
+    assert [mixed.body(request, i)["max_tokens"] for i in range(4)] == [8, 128, 8, 128]
+    assert mixed.describe()["max_tokens"] == [8, 128]
+    with pytest.raises(RapidspecError, match="--max-tokens"):
+        LoadConfig(base_url="http://h:1", max_tokens=(8, 0))
 
 
 def test_bench_serve_is_two_words_and_bench_is_unchanged():
@@ -221,7 +227,7 @@ def test_live_run_at_a_request_rate_without_streaming(engine, capsys):
 
 def test_a_full_queue_is_counted_as_rejected(engine, capsys):
     slow = SlowEngine(engine, delay=0.05)
-    with running_server(slow, max_queue=0) as url:
+    with running_server(slow, max_queue=0, max_num_seqs=1) as url:
         code, s, _ = _run(capsys, "--base-url", url, "--num-prompts", "4", "--max-concurrency", "4", *SMALL)
     assert code == 0 and s["errors"] == 0 and s["lost"] == 0
     assert s["rejected"] >= 1 and s["completed"] >= 1 and s["completed"] + s["rejected"] == 4

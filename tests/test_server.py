@@ -194,7 +194,7 @@ def test_unknown_route_is_a_404_in_the_same_schema(server):
 
 def test_full_queue_answers_429_and_nothing_is_lost(engine):
     slow = SlowEngine(engine, delay=0.05)
-    with running_server(slow, max_queue=1) as url:
+    with running_server(slow, max_queue=1, max_num_seqs=1) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         body = dict(model="tiny", messages=HISTORY, extra_body={"ignore_eos": True, "mode": "lc"})
         running = client.chat.completions.create(**body, max_tokens=400, stream=True)
@@ -212,6 +212,21 @@ def test_full_queue_answers_429_and_nothing_is_lost(engine):
         assert results["waiting"].usage.completion_tokens == 3
         assert metric(url, "rapidspec:request_failure_total", reason="queue_full") == 1
         assert wait_until(lambda: metric(url, "rapidspec:request_failure_total", reason="cancelled") == 1)
+
+
+def test_a_short_request_is_answered_while_a_long_one_streams(engine):
+    slow = SlowEngine(engine, delay=0.05)
+    with running_server(slow, max_num_seqs=2) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        body = dict(model="tiny", messages=HISTORY, extra_body={"ignore_eos": True, "mode": "rapid"})
+        long = client.chat.completions.create(**body, max_tokens=400, stream=True)
+        next(iter(long))  # the long answer is running
+        short = client.chat.completions.create(**body, max_tokens=3)
+        assert short.usage.completion_tokens == 3
+        health = httpx.get(f"{url}/health").json()
+        assert health["running"] == 1 and health["max_num_seqs"] == 2  # the long one still runs
+        long.close()
+        assert slow.chunks_made < 400
 
 
 def test_a_client_that_disconnects_frees_the_engine(engine):

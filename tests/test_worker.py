@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from rapidspec.server.worker import QueueFull, Worker
 
@@ -70,3 +71,113 @@ def test_a_cancelled_waiting_job_frees_its_slot_at_once():
         return ran
 
     assert asyncio.run(scenario()) == ["next job"]
+
+
+def _run_jobs(max_num_seqs: int, works, max_queue: int = 8) -> list[str]:
+    """Submit ``works`` at once on a fresh worker; the order in which they finish (bounded wait)."""
+    finished: list[str] = []
+
+    async def scenario():
+        worker = Worker(max_queue, max_num_seqs)
+        try:
+            jobs = [(name, worker.submit(work)) for name, work in works]
+            for name, job in jobs:
+                while (await asyncio.wait_for(job.events.get(), 10))[0] != "end":
+                    pass
+                finished.append(name)
+        finally:
+            worker.stop(10)
+
+    asyncio.run(scenario())
+    return finished
+
+
+def _steps_then(count: int, log: list[str], name: str):
+    def work(emit, cancelled):
+        for _ in range(count):
+            yield
+        log.append(name)
+
+    return work
+
+
+def test_running_jobs_take_turns_so_a_short_one_finishes_first():
+    log: list[str] = []
+    _run_jobs(2, [("long", _steps_then(50, log, "long")), ("short", _steps_then(2, log, "short"))])
+    assert log == ["short", "long"]
+
+
+def test_one_sequence_at_a_time_keeps_arrival_order():
+    log: list[str] = []
+    _run_jobs(1, [("long", _steps_then(50, log, "long")), ("short", _steps_then(2, log, "short"))])
+    assert log == ["long", "short"]
+
+
+def test_slots_and_queue_bound_the_jobs_taken_together():
+    async def scenario():
+        worker = Worker(max_queue=1, max_num_seqs=2)
+        release = threading.Event()
+
+        def hold(emit, cancelled):
+            while not release.is_set() and not cancelled.is_set():
+                yield
+
+        try:
+            for _ in range(3):  # two run, one waits
+                worker.submit(hold)
+            for _ in range(200):
+                if worker.running == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert (worker.running, worker.waiting) == (2, 1)
+            with pytest.raises(QueueFull):
+                worker.submit(hold)
+        finally:
+            release.set()
+            worker.stop(10)
+
+    asyncio.run(scenario())
+
+
+def test_every_step_runs_in_inference_mode_whatever_other_jobs_entered_and_left():
+    modes: list[bool] = []
+
+    def enters_and_leaves(steps: int):
+        def work(emit, cancelled):
+            with torch.inference_mode():  # like Rapid.decode: the mode is held across yields
+                for _ in range(steps):
+                    modes.append(torch.is_inference_mode_enabled())
+                    yield
+            for _ in range(3):
+                modes.append(torch.is_inference_mode_enabled())
+                yield
+
+        return work
+
+    _run_jobs(2, [("a", enters_and_leaves(1)), ("b", enters_and_leaves(5))])
+    assert len(modes) == 12 and all(modes)
+
+
+def test_a_failing_job_reports_its_error_and_the_others_go_on():
+    log: list[str] = []
+
+    def fails(emit, cancelled):
+        yield
+        raise RuntimeError("boom")
+
+    events: list[str] = []
+
+    async def scenario():
+        worker = Worker(4, 2)
+        try:
+            bad = worker.submit(fails)
+            good = worker.submit(_steps_then(5, log, "good"))
+            while (event := await asyncio.wait_for(bad.events.get(), 10))[0] != "end":
+                events.append(event[0])
+            while (await asyncio.wait_for(good.events.get(), 10))[0] != "end":
+                pass
+        finally:
+            worker.stop(10)
+
+    asyncio.run(scenario())
+    assert events == ["error"] and log == ["good"]

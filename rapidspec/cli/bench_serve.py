@@ -30,7 +30,8 @@ PLACEHOLDER_URL = "http://127.0.0.1:8000"
 # options passed on to the `rapidspec serve` started here: (flag, dest)
 SERVER_OPTIONS = (("--target", "target"), ("--drafter", "drafter"), ("--drafter-backend", "drafter_backend"),
                   ("--quantize", "quantize"), ("--drafter-quantize", "drafter_quantize"), ("--device", "device"),
-                  ("--mode", "mode"), ("--retrieval", "retrieval"), ("--prefix-cache-gib", "prefix_cache_gib"))
+                  ("--mode", "mode"), ("--retrieval", "retrieval"), ("--prefix-cache-gib", "prefix_cache_gib"),
+                  ("--max-num-seqs", "max_num_seqs"))
 
 
 def register(subparsers) -> None:
@@ -69,7 +70,9 @@ def register(subparsers) -> None:
     body.add_argument("--dataset", default="builtin", help="builtin (the demo document), or a JSON/JSONL file of {document, question} records or a LoCoMo file")
     body.add_argument("--document-tokens", type=int, default=None, help="length of the built-in document in tokens (default: about 7K)")
     body.add_argument("--locomo-sessions", type=int, default=2, help="LoCoMo sessions sent as earlier turns (default: %(default)s)")
-    body.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default: %(default)s)")
+    body.add_argument("--max-tokens", default="32",
+                      help="max_tokens of each request, or several comma-separated that requests take in turn "
+                           "(mixed answer lengths, e.g. 8,128) (default: %(default)s)")
     body.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream the answers; TTFT, TPOT and ITL need it (default: on)")
     body.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every answer has --max-tokens tokens")
     body.add_argument("--extra-body", default=None, help="a JSON object merged into every request body, e.g. '{\"mode\": \"lc\"}'")
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = LoadConfig(
         base_url=args.base_url or PLACEHOLDER_URL, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
-        request_rate=args.request_rate, seed=args.seed, max_tokens=args.max_tokens, stream=args.stream,
+        request_rate=args.request_rate, seed=args.seed, max_tokens=_max_tokens(args.max_tokens), stream=args.stream,
         ignore_eos=args.ignore_eos, model=args.model, api_key=args.api_key, extra_body=_extra_body(args.extra_body),
         timeout_s=args.timeout, test_request=args.test_request,
     )
@@ -128,6 +131,14 @@ def _measure(config, requests, err: Console) -> dict:
             progress.update(task, advance=1, description=", ".join(f"{k} {v}" for k, v in counts.items()))
 
         return run_benchmark(config, requests, on_done=done)
+
+
+def _max_tokens(text: str) -> int | tuple[int, ...]:
+    try:
+        lengths = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise RapidspecError(f"--max-tokens must be an integer or comma-separated integers, got {text!r}") from None
+    return lengths[0] if len(lengths) == 1 else lengths
 
 
 def _extra_body(text: str | None) -> dict:

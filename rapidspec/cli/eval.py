@@ -63,6 +63,13 @@ def register(subparsers) -> None:
     synthetic.add_argument("--tasks", default=",".join(TASKS), help="comma-separated (default: %(default)s)")
     synthetic.add_argument("--per-task", type=int, default=10, help="items per task and length (default: %(default)s)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON summary line")
+    cluster = parser.add_argument_group("on Ray (docs/scaling.md; the ray extra)")
+    cluster.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                         help="answer the items on Ray actors, each with its own engine: a local Ray instance, or the "
+                              "cluster at ADDRESS (e.g. auto, or ray://HOST:10001); the results file stays here")
+    cluster.add_argument("--workers", type=int, default=2, help="actors with --ray (default: %(default)s)")
+    cluster.add_argument("--worker-resources", default=None, metavar="JSON",
+                         help='Ray resources of each actor, e.g. \'{"num_gpus": 1}\' (default: {"num_cpus": 1})')
     add_model_options(parser)
     add_decode_options(parser, modes=False)
     add_retrieval_options(parser)
@@ -107,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None and not synthetic:  # read the data before the (slow) model load
         items = load_items(args.data, args.format, include_adversarial=args.include_adversarial)
 
-    target, drafter = load_models(args)
+    workers = _ray_workers(args)
+    target, drafter = load_models(args) if workers is None else (None, None)
+    max_context = target.max_context if workers is None else workers.ask_one("max_context")
     judge = None
     if args.judge is not None:
         from rapidspec.evaluation.judge import Judge, largest_installed_model
@@ -116,11 +125,12 @@ def run(args: argparse.Namespace) -> int:
         name = largest_installed_model() if args.judge == "auto" else args.judge
         judge = Judge(load_model(name, dtype=args.dtype, device=args.device))
     if synthetic:
-        too_long = [n for n in lengths if n > target.max_context]
+        too_long = [n for n in lengths if n > max_context]
         if too_long:
-            raise RapidspecError(f"--lengths {too_long} exceed the model's {target.max_context}-token window")
-        items = load_items(None, "synthetic", synthetic_options=dict(
-            lengths=lengths, tasks=tasks, per_task=args.per_task, seed=args.seed, tokenizer=target.tokenizer))
+            raise RapidspecError(f"--lengths {too_long} exceed the model's {max_context}-token window")
+        options = dict(lengths=lengths, tasks=tasks, per_task=args.per_task, seed=args.seed)
+        items = (load_items(None, "synthetic", synthetic_options=options | {"tokenizer": target.tokenizer})
+                 if workers is None else workers.ask_one("synthetic_items", options))
         label = f"synthetic lengths={','.join(map(str, lengths))} tasks={','.join(tasks)} seed={args.seed}"
     else:
         label = str(args.data)
@@ -133,20 +143,40 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         results=args.results, overwrite=args.overwrite, data_label=label, decode_options=passed,
         sweep=sweep, retrieve_from=args.retrieve_from, other_items=every_item, prefill_progress=prefill_bar(args.quiet),
-        judge=judge,
+        judge=judge, workers=workers,
     )
     who = breakdown(result.records)
     if not args.json_only:
         console = Console(width=160)
-        console.print(summary_table(result.summary, title=f"{target.name} on {label}"))
+        console.print(summary_table(result.summary, title=f"{args.target} on {label}"))
         if who:
             console.print(breakdown_table(who))
     print(json.dumps({
-        "model": target.name, "data": label, "judge": judge.name if judge is not None else None, "items": len(items), "modes": list(modes),
+        "model": args.target, "data": label, "judge": judge.name if judge is not None else None, "items": len(items), "modes": list(modes),
         "new_records": result.new_records, "resumed_records": result.skipped, "results": args.results,
         "summary": [row.to_dict() for row in result.summary], "breakdown": [row.to_dict() for row in who],
     }))
     return 0
+
+
+def _ray_workers(args: argparse.Namespace):
+    """The Ray actors --ray asks for (connected, models loading), or None for a local run."""
+    if args.ray is None:
+        if args.workers != 2 or args.worker_resources is not None:
+            raise RapidspecError("--workers and --worker-resources apply with --ray")
+        return None
+    from rapidspec.evaluation.ray_workers import RayWorkers
+
+    resources = None
+    if args.worker_resources is not None:
+        try:
+            resources = json.loads(args.worker_resources)
+        except json.JSONDecodeError as err:
+            raise RapidspecError(f"--worker-resources is not JSON: {err}") from None
+        if not isinstance(resources, dict):
+            raise RapidspecError('--worker-resources must be a JSON object, e.g. \'{"num_cpus": 1}\'')
+    address = None if args.ray == "local" else args.ray
+    return RayWorkers(args, args.workers, address, resources).connect()
 
 
 def breakdown_table(rows) -> Table:

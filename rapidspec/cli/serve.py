@@ -33,7 +33,10 @@ def register(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")
-    parser.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; more get 429 (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=4,
+                        help="requests the engine advances in turn, a round each, so a short answer is not held behind a "
+                             "long one; fewer when their windows do not fit the free memory (default: %(default)s)")
+    parser.add_argument("--max-queue", type=int, default=16, help="requests that may wait beyond those; more get 429 (default: %(default)s)")
     parser.add_argument("--recent-messages", type=int, default=DEFAULT_RECENT_MESSAGES,
                         help="earlier chat messages the drafter always reads verbatim (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         retrieval=retrieval_config(args),
         recent_messages=args.recent_messages,
         max_queue=args.max_queue,
+        max_num_seqs=args.max_num_seqs,
         api_key=args.api_key or os.environ.get("RAPIDSPEC_API_KEY") or None,
         max_request_bytes=args.max_request_bytes,
         max_document_tokens=args.max_document_tokens,

@@ -31,7 +31,7 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rapidspec.config import MODES, DecodeConfig
@@ -39,13 +39,11 @@ from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.bench_inputs import Sweep
 from rapidspec.evaluation.datasets import EvalItem
 from rapidspec.evaluation.judge import JUDGED_TASK_TYPES
-from rapidspec.evaluation.metrics import HEADLINE, bootstrap_ci, score_prediction
-from rapidspec.evaluation.run_config import run_config
+from rapidspec.evaluation.item_runner import ItemRunner, RunOptions
+from rapidspec.evaluation.metrics import HEADLINE, bootstrap_ci
 from rapidspec.evaluation.variants import eval_variants
 
 DEFAULT_MODES = ("lc", "rag", "rapid")
-#: Answer token limit per task type when none is given.
-DEFAULT_MAX_NEW_TOKENS = {"mc": 64, "qa": 64, "needle": 32, "summary": 256}
 SPEED_FIELDS = ("decode_tokens_per_second", "acceptance_rate", "mean_accepted_length", "target_prefill_seconds")
 
 
@@ -220,6 +218,7 @@ def run_eval(
     progress: bool = True,
     prefill_progress: Callable[[int, int], None] | None = None,
     judge=None,
+    workers=None,
 ) -> EvalRun:
     """Run every item under every mode (and sweep point, :mod:`.variants`) and score it.
 
@@ -234,10 +233,11 @@ def run_eval(
     called after each record is written (tests use it to simulate an interruption).
     ``judge``: a :class:`~rapidspec.evaluation.judge.Judge` that rates open
     answers (``qa``, ``summary``) into ``metrics`` (``judge``, ``judge_rating``).
+    ``workers``: a :class:`~rapidspec.evaluation.ray_workers.RayWorkers` that
+    answers the items on Ray actors with engines of their own (``target`` and
+    ``drafter`` are then unused); the judge and the results file stay here.
     """
-    from rapidspec.drafting.backends import choose_backend
-    from rapidspec.engine import Rapid
-    from rapidspec.retrieval import RetrievalConfig, Retriever
+    from rapidspec.retrieval import RetrievalConfig
 
     modes = tuple(modes)
     for mode in modes:
@@ -253,9 +253,9 @@ def run_eval(
     corpora = retrieval_corpora(items, retrieve_from, other_items)
     base = DecodeConfig(**{"mode": "rapid", "eta": eta, "gamma": gamma, "max_gamma": max(gamma, DecodeConfig.max_gamma),
                            "temperature": temperature, "seed": seed, **decode_options})
-    backend = choose_backend(base.drafter_backend, target, drafter)
-    config = run_config(target, drafter, backend, base, data=data_label, max_new_tokens=max_new_tokens,
-                        retrieval=retrieval, retrieve_from=retrieve_from)
+    options = RunOptions(retrieval, base, max_new_tokens, data_label, retrieve_from, corpora)
+    runner = ItemRunner(target, drafter, options, prefill_progress) if workers is None else workers.start(options)
+    config = dict(runner.config)
     if judge is not None:
         config["judge"] = judge.name
     store = ResultsFile(results, config, overwrite=overwrite)
@@ -263,8 +263,6 @@ def run_eval(
 
     wanted = [(item, variant) for item in items for variant in eval_variants(modes, base, sweep)]
     pending = [(item, v) for item, v in wanted if record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) not in done]
-    engine = Rapid(target, drafter, retrieval=retrieval) if pending else None
-    retrievers = {None: engine.retriever} if engine is not None else {}
 
     bar = None
     if progress and pending:
@@ -272,38 +270,14 @@ def run_eval(
 
         bar = tqdm(total=len(wanted), initial=len(wanted) - len(pending), desc="eval", unit="run", dynamic_ncols=True)
     try:
-        for item, variant in pending:
-            mode = variant.mode
-            engine.template = item.template  # public attributes; the document cache is keyed by tokens
-            if variant.budget_tokens not in retrievers:
-                retrievers[variant.budget_tokens] = Retriever(  # the same embedder, once it is loaded
-                    replace(retrieval, budget_tokens=variant.budget_tokens), tokenizer=engine.tokenizer,
-                    embedder=retrievers[None].loaded_embedder,
-                )
-            engine.retriever = retrievers[variant.budget_tokens]
-            run = variant.config.with_(max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type])
-            if item.messages:  # chat form: the conversation so far is the long context
-                output = engine.chat(list(item.messages), query=item.query, config=run,
-                                     prefill_progress=prefill_progress)
-            else:
-                output = engine.generate(item.document, item.question, query=item.query, corpus=corpora.get(item.id),
-                                         config=run, prefill_progress=prefill_progress)
-            metrics = score_prediction(item.task_type, output.text, item.answers, len(item.choices),
-                                       choices=item.choices, scorer=item.scorer, category=item.meta.get("category"))
+        for item, record in runner.run_all(pending):
             if judge is not None and item.task_type in JUDGED_TASK_TYPES:
-                metrics.update(judge.rate(item.question, output.text, item.answers))
-            record = {
-                "id": item.id, "group": item.group, "mode": mode, "eta": variant.eta, "gamma": variant.gamma,
-                "sweep": variant.sweep,
-                "task_type": item.task_type, "prediction": output.text, "gold": list(item.answers),
-                "score": metrics["score"], "metrics": metrics, "stats": output.stats.to_dict(),
-                "retrieved_chunks": len(output.retrieval.chunks) if output.retrieval is not None else None,
-                "config": config,
-            }
+                record["metrics"].update(judge.rate(item.question, record["prediction"], item.answers))
+            record["config"] = config
             store.append(record)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix_str(f"{item.group} {mode} {variant.sweep or ''}".rstrip(), refresh=False)
+                bar.set_postfix_str(f"{item.group} {record['mode']} {record['sweep'] or ''}".rstrip(), refresh=False)
             if on_record is not None:
                 on_record(record)
     finally:

@@ -57,7 +57,7 @@ class LoadConfig:
     max_concurrency: int | None = None
     request_rate: float = math.inf
     seed: int = 0
-    max_tokens: int = 32
+    max_tokens: int | tuple[int, ...] = 32  # several: request i asks for max_tokens[i % len] (mixed answer lengths)
     stream: bool = True
     ignore_eos: bool = False
     model: str | None = None
@@ -74,8 +74,9 @@ class LoadConfig:
             raise RapidspecError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if not self.request_rate > 0:  # also refuses nan
             raise RapidspecError(f"--request-rate must be > 0 (inf: all at once), got {self.request_rate}")
-        if self.max_tokens < 1:
-            raise RapidspecError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        lengths = self.max_tokens if isinstance(self.max_tokens, tuple) else (self.max_tokens,)
+        if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+            raise RapidspecError(f"--max-tokens must be one or more integers >= 1, got {self.max_tokens}")
         if not 0 < self.timeout_s < math.inf:
             raise RapidspecError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         if not isinstance(self.extra_body, dict):
@@ -87,9 +88,11 @@ class LoadConfig:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def body(self, request: BenchRequest) -> dict:
-        """The ``/v1/chat/completions`` body of ``request``."""
-        body: dict = {"messages": list(request.messages), "max_tokens": self.max_tokens, "stream": self.stream}
+    def body(self, request: BenchRequest, index: int = 0) -> dict:
+        """The ``/v1/chat/completions`` body of ``request``, the ``index``-th of the load."""
+        lengths = self.max_tokens if isinstance(self.max_tokens, tuple) else (self.max_tokens,)
+        body: dict = {"messages": list(request.messages), "max_tokens": lengths[index % len(lengths)],
+                      "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         if request.documents:
@@ -104,7 +107,8 @@ class LoadConfig:
         """The settings for the report (no API key; an infinite rate as ``"inf"``, as vLLM writes it)."""
         return {"base_url": self.base_url, "num_prompts": self.num_prompts, "max_concurrency": self.max_concurrency,
                 "request_rate": "inf" if math.isinf(self.request_rate) else self.request_rate, "seed": self.seed,
-                "max_tokens": self.max_tokens, "stream": self.stream, "ignore_eos": self.ignore_eos,
+                "max_tokens": list(self.max_tokens) if isinstance(self.max_tokens, tuple) else self.max_tokens,
+                "stream": self.stream, "ignore_eos": self.ignore_eos,
                 "model": self.model, "extra_body": self.extra_body}
 
 
@@ -133,7 +137,7 @@ async def run_load(client: httpx.AsyncClient, config: LoadConfig, requests: Sequ
     async def one(index: int) -> RequestResult:
         await asyncio.sleep(max(0.0, start + due[index] - time.perf_counter()))
         async with limit:
-            result = await send_request(client, index, config.body(requests[index % len(requests)]))
+            result = await send_request(client, index, config.body(requests[index % len(requests)], index))
         if on_done is not None:
             on_done(result)
         return result

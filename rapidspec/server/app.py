@@ -35,6 +35,7 @@ from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, parse_documents, par
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
 from rapidspec.runtime.errors import PrefillStopped
+from rapidspec.server.capacity import concurrent_sequences, free_memory_bytes, kv_bytes_per_token
 from rapidspec.server.limits import RequestGuard
 from rapidspec.server.metrics import ServerMetrics
 from rapidspec.server.responses import FINISH_REASONS, Reply, error_body, error_response, sse
@@ -51,7 +52,11 @@ class ServerConfig:
     """Server settings; ``decode`` and ``retrieval`` (None: the engine's) are the defaults of every request.
 
     ``decode.max_model_len`` and ``decode.time_limit_s`` are the window and the
-    seconds each request may use (requests cannot change them). ``api_key``:
+    seconds each request may use (requests cannot change them; the time is
+    wall-clock, so the requests running alongside count). ``max_num_seqs``:
+    requests the engine advances in turn, a round each (fewer when their
+    windows do not fit the free memory, :mod:`rapidspec.server.capacity`);
+    ``max_queue``: requests that may wait beyond those. ``api_key``:
     None = open; ``max_request_bytes``: larger bodies get 413;
     ``max_document_tokens``: what a request's texts may hold when it asks for
     truncation (None = 4 windows); ``allowed_origins``: CORS (empty = off,
@@ -63,6 +68,7 @@ class ServerConfig:
     retrieval: RetrievalConfig | None = None
     recent_messages: int = DEFAULT_RECENT_MESSAGES
     max_queue: int = 16
+    max_num_seqs: int = 4
     disconnect_poll_seconds: float = 0.5
     api_key: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024
@@ -74,6 +80,8 @@ class ServerConfig:
             raise RapidspecError("the served model name is empty")
         if self.max_queue < 0:
             raise RapidspecError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not 1 <= self.max_num_seqs <= 256:
+            raise RapidspecError(f"max_num_seqs must be in [1, 256], got {self.max_num_seqs}")
         if self.recent_messages < 0:
             raise RapidspecError(f"recent_messages must be >= 0, got {self.recent_messages}")
         if self.api_key is not None and not self.api_key.strip():
@@ -94,7 +102,9 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     window = config.decode.max_model_len or engine.target.max_context
     if window > engine.target.max_context:
         raise RapidspecError(f"max_model_len={window} exceeds the model's {engine.target.max_context}-token window")
-    worker = Worker(config.max_queue)
+    slots = concurrent_sequences(config.max_num_seqs, window, kv_bytes_per_token(engine.target),
+                                 free_memory_bytes(engine.target.device), engine.prefix_cache.max_bytes)
+    worker = Worker(config.max_queue, slots)
     metrics = ServerMetrics(config.model_name, waiting=lambda: worker.waiting, running=lambda: worker.running)
     retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()  # used on the worker thread only
     tokens = ServerTokens(engine.tokenizer, config.max_document_tokens or 4 * window)
@@ -170,6 +180,7 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": config.model_name, "running": worker.running, "waiting": worker.waiting,
+                "max_num_seqs": worker.max_num_seqs,
                 "max_queue": config.max_queue, "prefix_cache": {"entries": len(engine.prefix_cache),
                                                                  "bytes": engine.prefix_cache.bytes_used,
                                                                  "max_bytes": engine.prefix_cache.max_bytes}}
@@ -228,18 +239,21 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         recent = config.recent_messages if body.recent_messages is None else body.recent_messages
         await asyncio.to_thread(tokens.check_fits, messages, documents, decode.truncate, window)
 
-        def work(emit, cancelled) -> None:
+        def work(emit, cancelled):  # a generator: the worker runs it a step at a time
             prompts = engine.chat_prompts(messages, decode, documents=documents, query=body.query,
                                           recent_messages=recent, raw=not chat, retriever=retriever_for(retrieval))
             if cancelled.is_set():
                 return
             emit("ready", None)
-            stream = engine.decode(prompts, decode, should_stop=cancelled.is_set)
+            yield
+            stream = engine.decode(prompts, decode, should_stop=cancelled.is_set, yield_prefill_chunks=True)
             try:
-                for chunk in stream:
+                for chunk in stream:  # one prefill chunk or one round per step
                     if cancelled.is_set():
                         return
-                    emit("chunk", chunk)
+                    if chunk.text or chunk.token_ids or chunk.output is not None:
+                        emit("chunk", chunk)
+                    yield
             except PrefillStopped:  # cancelled between two prefill chunks
                 return
             finally:

@@ -1,14 +1,22 @@
-"""One engine, one generation at a time: a bounded FIFO queue and the thread that runs it.
+"""One engine, several generations taking turns: a bounded FIFO queue and the thread that runs it.
 
 The event loop never touches the engine. A route submits a :class:`Job` (a
 function that uses the engine and reports through ``emit``); the worker
-thread runs jobs in arrival order and passes their events back to the loop
-through an ``asyncio.Queue``. A full queue refuses new jobs at once
-(:class:`QueueFull`, the server's 429). Cancelling a job that waits removes
-it; cancelling a running one is seen by the job between two rounds.
+thread admits jobs in arrival order, up to ``max_num_seqs`` at once, and
+passes their events back to the loop through an ``asyncio.Queue``. A job is a
+generator function: each ``next()`` is one step (a prefill chunk or a decode
+round), and the worker advances its running jobs one step each in turn, so a
+short answer is not held behind a long one (a plain function is one step).
+A full queue refuses new jobs at once (:class:`QueueFull`, the server's 429).
+Cancelling a job that waits removes it; a running one sees it between two
+steps.
 
 Events a job receives, in order: its own (``"ready"``, ``"chunk"``, ...),
 then ``("error", exception)`` if it raised, then always ``("end", None)``.
+
+The thread runs every step inside ``torch.inference_mode()``: generators
+that enter and leave the mode themselves would otherwise restore it out of
+order when their steps interleave.
 """
 
 from __future__ import annotations
@@ -18,14 +26,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+import torch
 
 from rapidspec.errors import RapidspecError
 
 logger = logging.getLogger(__name__)
 
 Emit = Callable[[str, object], None]
-Work = Callable[[Emit, threading.Event], None]
+Work = Callable[[Emit, threading.Event], Iterator[None] | None]
 
 
 class QueueFull(Exception):
@@ -53,25 +63,27 @@ class Job:
             pass
 
     def cancel(self) -> None:
-        """Stop the job: a waiting one leaves the queue at once (its slot is free), a running one after its round."""
+        """Stop the job: a waiting one leaves the queue at once (its slot is free), a running one after its step."""
         self.cancelled.set()
         if self._on_cancel is not None:
             self._on_cancel(self)
 
 
 class Worker:
-    """Runs jobs one at a time on a thread of its own; at most ``max_queue`` wait."""
+    """Runs up to ``max_num_seqs`` jobs at once, a step each in turn, on a thread of its own; ``max_queue`` may wait."""
 
-    def __init__(self, max_queue: int) -> None:
+    def __init__(self, max_queue: int, max_num_seqs: int = 1) -> None:
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
         self.max_queue = max_queue
+        self.max_num_seqs = max_num_seqs
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0
         self._queued: set[Job] = set()  # submitted, not yet taken by the thread nor cancelled
-        self._running = 0
+        self._running: list[tuple[Job, Iterator[None]]] = []
         self._lock = threading.Lock()
-        self._current: Job | None = None
         self._thread = threading.Thread(target=self._loop, name="rapidspec-engine", daemon=True)
         self._thread.start()
 
@@ -81,17 +93,17 @@ class Worker:
 
     @property
     def running(self) -> int:
-        return self._running
+        return len(self._running)
 
     def submit(self, work: Work) -> Job:
         """Queue ``work``; raises :class:`QueueFull` when ``max_queue`` jobs already wait.
 
-        A job that finds the engine free never waits, so ``max_queue = 0``
-        means no waiting line: a request is taken only when the engine is free.
+        A job that finds a free slot never waits, so ``max_queue = 0`` means no
+        waiting line: a request is taken only when one of the ``max_num_seqs`` slots is free.
         """
         job = Job(work, asyncio.get_running_loop())
         with self._lock:
-            if self._waiting + self._running > self.max_queue:
+            if self._waiting + len(self._running) >= self.max_queue + self.max_num_seqs:
                 raise QueueFull(f"{self._waiting} requests are waiting (the bound is {self.max_queue})")
             self._waiting += 1
             self._queued.add(job)
@@ -107,46 +119,69 @@ class Worker:
                 self._waiting -= 1
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what waits and what runs, and end the thread (after the running job's current round)."""
+        """Cancel what waits and what runs, and end the thread (after the running jobs' current steps)."""
         while True:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                self._finish_unstarted(job)
-        current = self._current
-        if current is not None:
-            current.cancel()
+                job.cancel()  # frees its slot
+                job.emit("end")
+        with self._lock:
+            running = [job for job, _ in self._running]
+        for job in running:
+            job.cancel()
         self._jobs.put(None)
         self._thread.join(timeout)
 
-    def _finish_unstarted(self, job: Job) -> None:
-        job.cancel()  # frees its slot
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            stopping = False
+            while not (stopping and not self._running):
+                while not stopping and len(self._running) < self.max_num_seqs:
+                    try:
+                        job = self._jobs.get(block=not self._running)
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        stopping = True
+                    else:
+                        self._start(job)
+                for job, steps in list(self._running):
+                    self._step(job, steps)
+
+    def _start(self, job: Job) -> None:
+        with self._lock:
+            if job not in self._queued:  # cancelled while it waited: its slot is already free
+                job.emit("end")
+                return
+            self._queued.discard(job)
+            self._waiting -= 1
+            self._running.append((job, _steps(job)))
+        job.started = time.perf_counter()
+
+    def _step(self, job: Job, steps: Iterator[None]) -> None:
+        try:
+            next(steps)
+            return
+        except StopIteration:
+            job.emit("end")
+        except Exception as err:  # reported to the client; the worker goes on
+            self._fail(job, err)
+        with self._lock:
+            self._running.remove((job, steps))
+
+    @staticmethod
+    def _fail(job: Job, err: Exception) -> None:
+        if not isinstance(err, RapidspecError):
+            logger.exception("generation failed", exc_info=err)
+        job.emit("error", err)
         job.emit("end")
 
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                if job not in self._queued:  # cancelled while it waited: its slot is already free
-                    job.emit("end")
-                    continue
-                self._queued.discard(job)
-                self._waiting -= 1
-                self._running = 1
-                self._current = job
-            job.started = time.perf_counter()
-            try:
-                job.work(job.emit, job.cancelled)
-            except Exception as err:  # reported to the client; the worker goes on
-                if not isinstance(err, RapidspecError):
-                    logger.exception("generation failed")
-                job.emit("error", err)
-            finally:
-                with self._lock:
-                    self._running = 0
-                    self._current = None
-                job.emit("end")
+
+def _steps(job: Job) -> Iterator[None]:
+    """The job's work as steps (a plain function is one)."""
+    steps = job.work(job.emit, job.cancelled)
+    if steps is not None:
+        yield from steps
