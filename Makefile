@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch (a bare `torch` requirement would pull a CUDA build).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,plot,serve]"
+	$(PY) -m pip install -q -e ".[test,plot,serve,ray]"
 	# llama.cpp for the drafter on CPU machines, compiled for this CPU (a wheel from PyPI would be generic).
 	if command -v nvidia-smi >/dev/null 2>&1; then echo "CUDA machine: the drafter runs on torch (no llama.cpp build)"; \
 	else echo "building llama-cpp-python from source for this CPU (about 4 minutes on 2 cores; cached by pip afterwards)"; \
