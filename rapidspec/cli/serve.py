@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -57,6 +58,15 @@ def register(subparsers) -> None:
                              "with finish_reason length; 0 = no limit (default: %(default)s)")
     limits.add_argument("--allowed-origins", default="",
                         help="CORS: comma-separated origins browsers may call from, '*' for any (default: none, CORS off)")
+    scale = parser.add_argument_group("replicas on Ray Serve (docs/scaling.md; the ray extra)")
+    scale.add_argument("--replicas", type=int, default=None,
+                       help="serve N copies of the app behind one endpoint with Ray Serve; requests with the same "
+                            "x-session-id header go to the same replica (default: one engine, no Ray)")
+    scale.add_argument("--ray-address", default=None,
+                       help="with --replicas: the Ray cluster to deploy on (e.g. auto; default: a local instance)")
+    scale.add_argument("--replica-resources", default=None, metavar="JSON",
+                       help='with --replicas: Ray resources of each replica, e.g. \'{"num_gpus": 1}\' '
+                            '(default: {"num_cpus": 1})')
     add_prefix_cache_option(parser)
     add_model_options(parser)
     add_decode_options(parser)
@@ -92,6 +102,14 @@ def run(args: argparse.Namespace) -> int:
         max_document_tokens=args.max_document_tokens,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
     )
+    if args.replicas is not None:
+        from rapidspec.server.replicas import serve_replicas
+
+        logging.getLogger("rapidspec").setLevel(logging.INFO)
+        return serve_replicas(args, config, args.replicas, args.ray_address, _resources(args.replica_resources),
+                              args.host, args.port)
+    if args.ray_address is not None or args.replica_resources is not None:
+        raise RapidspecError("--ray-address and --replica-resources apply with --replicas")
     engine = load_engine(args)
     app = create_app(engine, config)
     logging.getLogger("rapidspec").setLevel(logging.INFO)
@@ -106,3 +124,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _resources(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        resources = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RapidspecError(f"--replica-resources is not JSON: {err}") from None
+    if not isinstance(resources, dict):
+        raise RapidspecError('--replica-resources must be a JSON object, e.g. \'{"num_cpus": 1}\'')
+    return resources

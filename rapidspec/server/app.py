@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, parse_documents, par
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
 from rapidspec.runtime.errors import PrefillStopped
+from rapidspec.server.fleet import fleet_health, merged_metrics
 from rapidspec.server.capacity import concurrent_sequences, free_memory_bytes, kv_bytes_per_token
 from rapidspec.server.limits import RequestGuard
 from rapidspec.server.metrics import ServerMetrics
@@ -97,8 +99,12 @@ class _Cancelled(Exception):
     """The client went away."""
 
 
-def create_app(engine, config: ServerConfig) -> FastAPI:
-    """The app serving ``engine`` (a :class:`rapidspec.Rapid`); see docs/serving.md."""
+def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
+    """The app serving ``engine`` (a :class:`rapidspec.Rapid`); see docs/serving.md.
+
+    ``fleet``: a :class:`~rapidspec.server.fleet.FleetReporter` when the app is one replica of several
+    (``/health`` and ``/metrics`` then answer for all of them).
+    """
     window = config.decode.max_model_len or engine.target.max_context
     if window > engine.target.max_context:
         raise RapidspecError(f"max_model_len={window} exceeds the model's {engine.target.max_context}-token window")
@@ -177,17 +183,24 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(body, status_code=status)
 
     # ---------------------------------------------------------------- routes
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": config.model_name, "running": worker.running, "waiting": worker.waiting,
+    def local_health() -> dict:
+        return {"status": "ok", "model": config.model_name, "pid": os.getpid(), "running": worker.running,
+                "waiting": worker.waiting,
                 "max_num_seqs": worker.max_num_seqs,
                 "max_queue": config.max_queue, "prefix_cache": {"entries": len(engine.prefix_cache),
                                                                  "bytes": engine.prefix_cache.bytes_used,
                                                                  "max_bytes": engine.prefix_cache.max_bytes}}
 
+    app.state.health = local_health
+
+    @app.get("/health")
+    async def health() -> dict:
+        return local_health() if fleet is None else fleet_health(await fleet.reports())
+
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = metrics.render() if fleet is None else merged_metrics(await fleet.reports())
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -1,0 +1,111 @@
+"""``rapidspec serve --replicas N``: N copies of the OpenAI app behind one endpoint, on Ray Serve.
+
+Each replica is a Ray Serve deployment replica that loads the models once and
+serves :func:`~rapidspec.server.app.create_app` as its FastAPI ingress (so
+every route, limit and error is the single server's). Ray Serve's proxy
+listens on ``--host``/``--port`` and picks the replica with its
+``ConsistentHashRouter``: requests carrying the same ``x-session-id`` header
+(a conversation id) go to the same replica, whose prefix cache holds the
+conversation; requests without it are spread over the replicas. Serve restarts
+a replica that dies. ``/health`` and ``/metrics`` cover every replica
+(:mod:`rapidspec.server.fleet`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from rapidspec.errors import RapidspecError
+from rapidspec.server.fleet import FLEET_ACTOR, FLEET_NAMESPACE, FleetBoard, FleetReporter
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "rapidspec"
+SESSION_HEADER = "x-session-id"  # Ray Serve's default session-id header (RAY_SERVE_SESSION_ID_HEADER_KEY)
+ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+DEFAULT_REPLICA_RESOURCES = {"num_cpus": 1}
+
+
+class RapidspecReplica:
+    """One replica: the engine named by ``model_args`` behind the app of ``config``."""
+
+    def __init__(self, model_args: argparse.Namespace, config) -> None:
+        from ray import serve
+
+        from rapidspec.cli.options import load_engine
+
+        self.engine = load_engine(model_args)
+        self.config = config
+        self.replica = serve.get_replica_context().replica_id.unique_id
+
+    def __serve_build_asgi_app__(self):
+        import ray
+
+        from rapidspec.server.app import create_app
+
+        reporter = FleetReporter(ray.get_actor(FLEET_ACTOR, namespace=FLEET_NAMESPACE), self.replica)
+        app = create_app(self.engine, self.config, fleet=reporter)
+        reporter.start(app.state.health, app.state.metrics.render)
+        return app
+
+
+def deploy(model_args: argparse.Namespace, config, replicas: int, resources: dict | None = None,
+           host: str = "127.0.0.1", port: int = 8000):
+    """Start Serve on ``host:port`` and deploy ``replicas`` replicas (Ray must be initialized).
+
+    Returns the handle of the replicas' :class:`FleetBoard` once they run: keep it while they serve
+    (the board is gone with its last handle).
+    """
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    if replicas < 1:
+        raise RapidspecError(f"--replicas must be >= 1, got {replicas}")
+    resources = dict(DEFAULT_REPLICA_RESOURCES if resources is None else resources)
+    board = ray.remote(num_cpus=0)(FleetBoard).options(name=FLEET_ACTOR, namespace=FLEET_NAMESPACE,
+                                                       get_if_exists=True).remote()
+    serve.start(http_options={"host": host, "port": port})
+    deployment = serve.deployment(
+        serve.ingress()(RapidspecReplica), name=APP_NAME, num_replicas=replicas, ray_actor_options=resources,
+        # the app keeps its own queue (429 beyond it); /health and /metrics need room too
+        max_ongoing_requests=config.max_num_seqs + config.max_queue + 8,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER),
+    )
+    try:
+        serve.run(deployment.bind(model_args, config), name=APP_NAME, route_prefix="/", blocking=False)
+    except (ValueError, TypeError) as err:
+        raise RapidspecError(f"cannot deploy the replicas: {err}") from None
+    return board
+
+
+def serve_replicas(model_args: argparse.Namespace, config, replicas: int, address: str | None,
+                   resources: dict | None, host: str, port: int) -> int:
+    """``rapidspec serve --replicas N``: deploy, then serve until SIGTERM or Ctrl-C."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise RapidspecError("--replicas needs the ray extra: pip install 'rapidspec[ray]'") from None
+    if port == 0:
+        raise RapidspecError("--replicas needs a --port (Ray Serve's proxy does not pick a free one)")
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    except (ConnectionError, ValueError, RuntimeError) as err:
+        raise RapidspecError(f"cannot connect to Ray at {address or 'a local instance'}: {err}") from None
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        board = deploy(model_args, config, replicas, resources, host, port)  # noqa: F841  (held while serving)
+        logger.info("serving %d replica(s) on http://%s:%d (send %s to keep a conversation on one replica)",
+                    replicas, host, port, SESSION_HEADER)
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,131 @@
+"""`rapidspec serve --replicas`: two replicas of the tiny model on a local Ray Serve (127.0.0.1, 2 CPUs).
+
+8 concurrent chats from 4 conversations, each conversation's turns sent with
+its ``x-session-id``: nothing lost, every second turn reuses the first turn's
+prefix (the conversation stayed on its replica); /health and /metrics cover
+both replicas; a replica killed mid-answer: its request gets a 5xx, none
+hangs (Ray Serve's proxy answers it with a plain 500), the next requests are
+served.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from rapidspec.cli import build_parser
+from rapidspec.server import ServerConfig
+from tests.server_harness import free_port, wait_until
+
+NOTES = [f"Day {i}: the garden had {i} tulips and the kettle was blue." for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model_dir):
+    import ray
+    from ray import serve
+
+    from rapidspec.server.replicas import deploy
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    port = free_port()
+    args = build_parser().parse_args(["serve", "--target", str(tiny_model_dir), "--retrieval", "bm25",
+                                      "--chunk-tokens", "64", "--budget-tokens", "128"])
+    config = ServerConfig(model_name="tiny", max_num_seqs=2)
+    try:
+        board = deploy(args, config, replicas=2, resources={"num_cpus": 0.5}, host="127.0.0.1", port=port)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # bounded: until both replicas have reported
+            try:
+                if len(httpx.get(f"{url}/health", timeout=5).json().get("replicas", [])) == 2:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("the replicas did not come up within 240 s")
+        yield url
+        del board
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _turn(url: str, conversation: int, turns: int) -> dict:
+    messages = [{"role": "user", "content": " ".join(NOTES[conversation::4])}]
+    for turn in range(turns - 1):
+        messages += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": f"And turn {turn}?"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "ignore_eos": True, "mode": "lc"}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": f"conversation-{conversation}"},
+                          timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas):
+    answers: dict[tuple[int, int], dict] = {}
+
+    def chat(conversation: int) -> None:
+        for turns in (1, 2):
+            answers[(conversation, turns)] = _turn(replicas, conversation, turns)
+
+    threads = [threading.Thread(target=chat, args=(c,)) for c in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert len(answers) == 8  # 8 chats, none lost
+    for conversation in range(4):
+        second = answers[(conversation, 2)]["rapidspec"]["stats"]
+        assert second["target_prefill_reused_tokens"] > 0, conversation  # the first turn's cache was there
+    health = httpx.get(f"{replicas}/health", timeout=10).json()
+    assert health["status"] == "ok" and len(health["replicas"]) == 2
+
+    def served() -> dict[str, float]:  # replica -> finished requests, from the merged /metrics
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{replicas}/metrics", timeout=10).text.splitlines():
+            if line.startswith("rapidspec:request_success_total{"):
+                replica = line.split('replica="')[1].split('"')[0]
+                out[replica] = out.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    assert wait_until(lambda: sum(served().values()) == 8, timeout=15)  # replicas report once a second
+
+
+def test_a_killed_replica_fails_its_request_cleanly_and_the_next_ones_are_served(replicas):
+    health = httpx.get(f"{replicas}/health", timeout=10).json()
+    pids = {r["replica"]: r["pid"] for r in health["replicas"]}
+    outcome: dict = {}
+
+    def long_answer() -> None:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 4000,
+                "ignore_eos": True, "mode": "lc"}
+        try:
+            outcome["response"] = httpx.post(f"{replicas}/v1/chat/completions", json=body,
+                                             headers={"x-session-id": "doomed"}, timeout=120)
+        except httpx.HTTPError as err:  # a dropped connection is an error too, not a hang
+            outcome["error"] = err
+
+    thread = threading.Thread(target=long_answer)
+    thread.start()
+    deadline = time.monotonic() + 60
+    busy = None
+    while busy is None and time.monotonic() < deadline:
+        for replica in httpx.get(f"{replicas}/health", timeout=10).json()["replicas"]:
+            if replica["running"]:
+                busy = replica["replica"]
+        time.sleep(0.2)
+    assert busy is not None
+    os.kill(pids[busy], signal.SIGKILL)
+    thread.join(150)
+    assert not thread.is_alive()  # answered, not hung
+    if "response" in outcome:
+        assert outcome["response"].status_code >= 500
+    for conversation in range(2):  # the surviving (and the restarted) replicas serve the next requests
+        assert _turn(replicas, conversation, 1)["usage"]["completion_tokens"] == 4
