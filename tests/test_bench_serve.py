@@ -269,3 +269,18 @@ def test_a_server_started_here_is_stopped(tiny_model_dir, capsys):
     assert code == 0 and s["completed"] == 2 and s["lost"] == 0 and s["server_metrics"] is not None
     assert s["server"]["started_here"] and s["server"]["exit_code"] == 0
     assert s["base_url"].startswith("http://127.0.0.1:")
+
+
+def test_sessions_report_prefix_reuse_per_session():
+    from rapidspec.evaluation.serve_stats import RequestResult, summarize
+
+    def done(index, session, prompt, cached):
+        return RequestResult(index, outcome="completed", session=session, prompt_tokens=prompt, cached_tokens=cached,
+                             output_tokens=1, latency=1.0)
+
+    s = summarize([done(0, "conversation-0", 100, 0), done(1, "conversation-1", 100, 0),
+                   done(2, "conversation-0", 100, 90), done(3, "conversation-1", 100, 50)], duration=1.0)
+    assert s["prefix_reuse_by_session"] == {"conversation-0": 0.45, "conversation-1": 0.25}
+    assert "prefix_reuse_by_session" not in summarize([done(0, None, 100, 0)], duration=1.0)
+    config = LoadConfig(base_url="http://h:1", sessions=True)
+    assert config.describe()["sessions"] is True

@@ -74,6 +74,9 @@ def register(subparsers) -> None:
                       help="max_tokens of each request, or several comma-separated that requests take in turn "
                            "(mixed answer lengths, e.g. 8,128) (default: %(default)s)")
     body.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream the answers; TTFT, TPOT and ITL need it (default: on)")
+    body.add_argument("--sessions", action="store_true",
+                      help="send the requests about each dataset entry with their own x-session-id header (a conversation "
+                           "key: rapidspec serve --replicas keeps a session on one replica); reports prefix reuse per session")
     body.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every answer has --max-tokens tokens")
     body.add_argument("--extra-body", default=None, help="a JSON object merged into every request body, e.g. '{\"mode\": \"lc\"}'")
     parser.add_argument("--result-file", default=None, help="also write the JSON result to this file")
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     config = LoadConfig(
         base_url=args.base_url or PLACEHOLDER_URL, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
         request_rate=args.request_rate, seed=args.seed, max_tokens=_max_tokens(args.max_tokens), stream=args.stream,
-        ignore_eos=args.ignore_eos, model=args.model, api_key=args.api_key, extra_body=_extra_body(args.extra_body),
+        ignore_eos=args.ignore_eos, sessions=args.sessions, model=args.model, api_key=args.api_key, extra_body=_extra_body(args.extra_body),
         timeout_s=args.timeout, test_request=args.test_request,
     )
     launch = _launch_config(args)

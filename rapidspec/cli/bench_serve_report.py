@@ -46,10 +46,16 @@ def outcome_table(s: dict) -> Table:
             ("server: prefix-cache hit rate (prompt tokens)", _fmt(metrics["prefix_cache_hit_rate"], ".1%")),
             ("server: draft acceptance rate", _fmt(metrics["acceptance_rate"], ".1%")),
         ]
+    reuse = s.get("prefix_reuse_by_session")
+    if reuse:
+        rates = [r for r in reuse.values() if r is not None]
+        rows.append((f"prompt tokens cached, per session ({len(reuse)}): min / median / max",
+                     " / ".join(f"{v:.1%}" for v in (min(rates), sorted(rates)[len(rates) // 2], max(rates))) if rates else "-"))
     health = s.get("health_after")
     if isinstance(health, dict) and "running" in health:
+        replicas = f", {len(health['replicas'])} replicas" if "replicas" in health else ""
         rows.append(("server /health after", f"{health.get('status')}, running {health['running']}, "
-                                              f"waiting {health.get('waiting')}"))
+                                              f"waiting {health.get('waiting')}{replicas}"))
     server = s.get("server") or {}
     if server.get("started_here"):
         rows.append(("server exit code after SIGTERM", str(server.get("exit_code"))))

@@ -65,6 +65,7 @@ class LoadConfig:
     extra_body: dict = field(default_factory=dict, hash=False)
     timeout_s: float = 900.0
     test_request: bool = True
+    sessions: bool = False  # request i carries x-session-id conversation-(i mod dataset size)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "base_url", normalize_base_url(self.base_url))
@@ -109,7 +110,7 @@ class LoadConfig:
                 "request_rate": "inf" if math.isinf(self.request_rate) else self.request_rate, "seed": self.seed,
                 "max_tokens": list(self.max_tokens) if isinstance(self.max_tokens, tuple) else self.max_tokens,
                 "stream": self.stream, "ignore_eos": self.ignore_eos,
-                "model": self.model, "extra_body": self.extra_body}
+                "model": self.model, "extra_body": self.extra_body, "sessions": self.sessions}
 
 
 def arrival_times(count: int, rate: float, seed: int) -> list[float]:
@@ -137,7 +138,8 @@ async def run_load(client: httpx.AsyncClient, config: LoadConfig, requests: Sequ
     async def one(index: int) -> RequestResult:
         await asyncio.sleep(max(0.0, start + due[index] - time.perf_counter()))
         async with limit:
-            result = await send_request(client, index, config.body(requests[index % len(requests)], index))
+            session = f"conversation-{index % len(requests)}" if config.sessions else None
+            result = await send_request(client, index, config.body(requests[index % len(requests)], index), session)
         if on_done is not None:
             on_done(result)
         return result
@@ -185,6 +187,8 @@ async def _benchmark(config: LoadConfig, requests: Sequence[BenchRequest], on_do
         before = await read_counters(client)
         results, duration = await run_load(client, config, requests, on_done)
         health = await settled_health(client, SETTLE_TIMEOUT_S)
+        if isinstance(health, dict) and "replicas" in health:  # replicas report once a second (server.fleet)
+            await asyncio.sleep(2.0)
         after = await read_counters(client)
     return summarize(results, duration) | {"server_metrics": counter_deltas(before, after), "health_after": health}
 

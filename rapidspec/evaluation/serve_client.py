@@ -34,12 +34,17 @@ COUNTERS = {
 }
 
 
-async def send_request(client: httpx.AsyncClient, index: int, body: dict) -> RequestResult:
-    """Send ``body`` and time its answer; the outcome says what happened (see :mod:`.serve_stats`)."""
-    result = RequestResult(index)
+SESSION_HEADER = "x-session-id"  # what `rapidspec serve --replicas` keeps on one replica
+
+
+async def send_request(client: httpx.AsyncClient, index: int, body: dict, session: str | None = None) -> RequestResult:
+    """Send ``body`` (in ``session``, when given) and time its answer; the outcome says what happened
+    (see :mod:`.serve_stats`)."""
+    result = RequestResult(index, session=session)
     sent = time.perf_counter()
+    headers = {SESSION_HEADER: session} if session else None
     try:
-        async with client.stream("POST", CHAT_PATH, json=body) as response:
+        async with client.stream("POST", CHAT_PATH, json=body, headers=headers) as response:
             result.status = response.status_code
             if response.status_code != 200:
                 _refused(result, response.status_code, await response.aread())

@@ -45,6 +45,7 @@ class RequestResult:
     output_tokens: int | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    session: str | None = None  # the x-session-id it was sent with
 
     @property
     def tpot(self) -> float | None:
@@ -110,4 +111,12 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict:
     summary |= distribution("itl", [gap for r in done for gap in r.itls])
     summary |= distribution("e2el", [r.latency for r in done if r.latency is not None])
     summary["first_error"] = None if failed is None else f"request {failed.index}: {failed.detail}"
+    sessions: dict[str, list[RequestResult]] = {}
+    for r in done:
+        if r.session is not None:
+            sessions.setdefault(r.session, []).append(r)
+    if sessions:  # the share of each session's prompt tokens its replica found in its prefix cache
+        summary["prefix_reuse_by_session"] = {
+            session: (sum(r.cached_tokens or 0 for r in rs) / prompt if (prompt := sum(r.prompt_tokens or 0 for r in rs))
+                      else None) for session, rs in sorted(sessions.items())}
     return summary

@@ -194,8 +194,11 @@ def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
     app.state.health = local_health
 
     @app.get("/health")
-    async def health() -> dict:
-        return local_health() if fleet is None else fleet_health(await fleet.reports())
+    async def health():
+        if fleet is None:
+            return local_health()
+        body = fleet_health(await fleet.reports())
+        return body if body["replicas"] else JSONResponse(body, status_code=503)  # none has reported yet
 
     @app.get("/metrics")
     async def prometheus() -> Response:
