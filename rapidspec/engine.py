@@ -237,19 +237,16 @@ class Rapid:
     ) -> Iterator[StreamChunk]:
         """Prefill and decode ``prompts`` (from :meth:`document_prompts` or :meth:`chat_prompts`).
 
-        ``generator`` overrides the seeded one for sampling; ``profile`` syncs
-        the device around each phase (exact times on GPUs); ``observer(target_cache,
-        target_seq, drafter_cache, drafter_seq)`` is called after every round's
-        rollback (read only; the drafter's cache is None for ``lookup``);
-        ``schedule`` replaces the gamma schedule the config names
-        (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops after the current round;
-        ``should_stop()`` is asked between the target's prefill chunks, and when it says yes the
-        prefill ends with :class:`~rapidspec.runtime.errors.PrefillStopped` (a server's cancelled request);
+        ``generator`` overrides the seeded one for sampling; ``profile`` syncs the device around each phase
+        (exact times on GPUs); ``observer(target_cache, target_seq, drafter_cache, drafter_seq)`` is called
+        after every round's rollback (read only; the drafter's cache is None for ``lookup``); ``schedule``
+        replaces the config's gamma schedule (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops
+        after the current round; ``should_stop()`` is asked between the target's prefill chunks, and a yes
+        ends the prefill with :class:`~rapidspec.runtime.errors.PrefillStopped` (a cancelled request);
         ``prefill_progress(done, total)`` hears of each target prefill chunk (a progress bar);
-        ``yield_prefill_chunks`` yields an empty chunk after each of them, so a caller that advances
-        several generations in turn (the server's worker) runs others during a long prefill.
-        ``config.time_limit_s`` ends the answer with stop reason ``time`` (a RapidspecError when the
-        prefill alone takes longer).
+        ``yield_prefill_chunks`` yields an empty chunk after each (a caller interleaving generations; run
+        them all inside ``torch.inference_mode()``, as the server's worker does). ``config.time_limit_s``
+        ends the answer with stop reason ``time`` (a RapidspecError when the prefill alone takes longer).
         """
         stats = GenerationStats.starting(config, prompts)
         target_device = self.target.model.device
@@ -329,27 +326,25 @@ class Rapid:
 
     def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, room: int, should_stop,
                         progress=None, tick: StreamChunk | None = None):
-        """Prefill the target on ``token_ids[:-1]``, starting from a stored cache sharing a prefix; returns the cache.
-
-        A generator: yields ``tick`` after each chunk when one is given. The cache is allocated once with
-        ``room`` positions, so the generation never grows it.
-        """
-        wanted = token_ids[:-1]
-        cache = None
+        """A generator: prefills ``token_ids[:-1]`` from a stored cache sharing a prefix (``tick`` yielded after each
+        chunk when given); returns the cache, allocated once with ``room`` positions (the generation never grows it)."""
+        wanted, cache = token_ids[:-1], None
         if use_store:
             cache, stats.target_prefill_reused_tokens = self.prefix_cache.lookup(wanted, capacity=room)
         if cache is None:
             cache = new_kv_cache(self.target, self.prefill_chunk_tokens)
         cache.reserve(room)
-        rest = wanted[cache.length :]
-        step = len(rest) if tick is None else self.prefill_chunk_tokens  # one call chunks the rest itself
-        for start in range(0, len(rest), max(step, 1)):
+        rest, step = wanted[cache.length :], self.prefill_chunk_tokens
+        for start in range(0, len(rest), step):
             if start and should_stop():
                 raise PrefillStopped(f"prefill stopped after {start} of {len(rest)} tokens")
-            cache.prefill(rest[start : start + step], should_stop,
-                          None if progress is None else lambda done, total, start=start: progress(start + done, len(rest)))
+            if progress is not None:
+                progress(start, len(rest))
+            cache.prefill(rest[start : start + step])
             if tick is not None:
                 yield tick
+        if progress is not None and rest:
+            progress(len(rest), len(rest))
         return cache
 
     def _start_drafter(self, prompts: PromptPair, config: DecodeConfig, stats: GenerationStats):

@@ -4,8 +4,8 @@
 its ``x-session-id``: nothing lost, every second turn reuses the first turn's
 prefix (the conversation stayed on its replica); /health and /metrics cover
 both replicas; a replica killed mid-answer: its request gets a 5xx, none
-hangs (Ray Serve's proxy answers it with a plain 500), the next requests are
-served.
+hangs (Ray Serve's proxy answers it with a 500, in OpenAI's body), the next
+requests are served.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def replicas(tiny_model_dir):
 
     from rapidspec.server.replicas import deploy
 
+    from rapidspec.server.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # as `rapidspec serve --replicas` sets it for its local Ray
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
     args = build_parser().parse_args(["serve", "--target", str(tiny_model_dir), "--retrieval", "bm25",
@@ -55,6 +58,7 @@ def replicas(tiny_model_dir):
     finally:
         serve.shutdown()
         ray.shutdown()
+        os.environ.pop(PROXY_CALLBACK_ENV, None)
 
 
 def _turn(url: str, conversation: int, turns: int) -> dict:
@@ -125,7 +129,8 @@ def test_a_killed_replica_fails_its_request_cleanly_and_the_next_ones_are_served
     os.kill(pids[busy], signal.SIGKILL)
     thread.join(150)
     assert not thread.is_alive()  # answered, not hung
-    if "response" in outcome:
-        assert outcome["response"].status_code >= 500
+    if "response" in outcome:  # the proxy's own 500, in OpenAI's body
+        response = outcome["response"]
+        assert response.status_code >= 500 and response.json()["error"]["code"] == "replica_unavailable"
     for conversation in range(2):  # the surviving (and the restarted) replicas serve the next requests
         assert _turn(replicas, conversation, 1)["usage"]["completion_tokens"] == 4

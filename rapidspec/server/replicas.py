@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 
 from rapidspec.errors import RapidspecError
+from rapidspec.server.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from rapidspec.server.fleet import FLEET_ACTOR, FLEET_NAMESPACE, FleetBoard, FleetReporter
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,8 @@ def serve_replicas(model_args: argparse.Namespace, config, replicas: int, addres
         raise RapidspecError("--replicas needs the ray extra: pip install 'rapidspec[ray]'") from None
     if port == 0:
         raise RapidspecError("--replicas needs a --port (Ray Serve's proxy does not pick a free one)")
+    if address is None:  # the local instance's proxy answers its own errors with OpenAI's body
+        os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError) as err:
