@@ -134,3 +134,14 @@ def test_a_killed_replica_fails_its_request_cleanly_and_the_next_ones_are_served
         assert response.status_code >= 500 and response.json()["error"]["code"] == "replica_unavailable"
     for conversation in range(2):  # the surviving (and the restarted) replicas serve the next requests
         assert _turn(replicas, conversation, 1)["usage"]["completion_tokens"] == 4
+
+
+def test_replica_options_are_checked_before_anything_starts(capsys):
+    from rapidspec.cli import main
+
+    assert main(["serve", "--ray-address", "auto"]) == 2
+    assert "--ray-address and --replica-resources apply with --replicas" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--replica-resources", "[1]"]) == 2
+    assert "--replica-resources must be a JSON object" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--port", "0"]) == 2
+    assert "--replicas needs a --port" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rapidspec.cli.bench_serve_report import results_tables
+from rapidspec.cli.options import json_object
 from rapidspec.errors import RapidspecError
 
 NAME = "bench-serve"  # `rapidspec bench serve` is dispatched here (rapidspec.cli.main)
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     config = LoadConfig(
         base_url=args.base_url or PLACEHOLDER_URL, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
         request_rate=args.request_rate, seed=args.seed, max_tokens=_max_tokens(args.max_tokens), stream=args.stream,
-        ignore_eos=args.ignore_eos, sessions=args.sessions, model=args.model, api_key=args.api_key, extra_body=_extra_body(args.extra_body),
+        ignore_eos=args.ignore_eos, sessions=args.sessions, model=args.model, api_key=args.api_key,
+        extra_body=json_object(args.extra_body, "--extra-body", '{"mode": "lc"}') or {},
         timeout_s=args.timeout, test_request=args.test_request,
     )
     launch = _launch_config(args)
@@ -142,18 +144,6 @@ def _max_tokens(text: str) -> int | tuple[int, ...]:
     except ValueError:
         raise RapidspecError(f"--max-tokens must be an integer or comma-separated integers, got {text!r}") from None
     return lengths[0] if len(lengths) == 1 else lengths
-
-
-def _extra_body(text: str | None) -> dict:
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise RapidspecError(f"--extra-body is not JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise RapidspecError("--extra-body must be a JSON object, e.g. '{\"mode\": \"lc\"}'")
-    return value
 
 
 def _launch_config(args: argparse.Namespace):

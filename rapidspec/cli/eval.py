@@ -15,7 +15,8 @@ from dataclasses import fields
 from rich.console import Console
 from rich.table import Table
 
-from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_models, retrieval_config
+from rapidspec.cli.options import (add_decode_options, add_model_options, add_retrieval_options, decode_config, json_object,
+                                   load_models, retrieval_config)
 from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.config import MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
@@ -167,14 +168,7 @@ def _ray_workers(args: argparse.Namespace):
         return None
     from rapidspec.evaluation.ray_workers import RayWorkers
 
-    resources = None
-    if args.worker_resources is not None:
-        try:
-            resources = json.loads(args.worker_resources)
-        except json.JSONDecodeError as err:
-            raise RapidspecError(f"--worker-resources is not JSON: {err}") from None
-        if not isinstance(resources, dict):
-            raise RapidspecError('--worker-resources must be a JSON object, e.g. \'{"num_cpus": 1}\'')
+    resources = json_object(args.worker_resources, "--worker-resources", '{"num_cpus": 1}')
     address = None if args.ray == "local" else args.ray
     return RayWorkers(args, args.workers, address, resources).connect()
 

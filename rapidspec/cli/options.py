@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields, replace
 
 from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
@@ -149,3 +150,16 @@ def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):
     return Rapid(target, drafter, retrieval=retrieval_config(args), reuse_document_cache=reuse_document_cache,
                  prefix_cache_gib=gib, drafter_backend=getattr(args, "drafter_backend", "auto"),
                  drafter_threads=getattr(args, "drafter_threads", None))
+
+
+def json_object(text: str | None, flag: str, example: str) -> dict | None:
+    """The JSON object an option holds (None when not given); a RapidspecError naming ``flag`` otherwise."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RapidspecError(f"{flag} is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise RapidspecError(f"{flag} must be a JSON object, e.g. '{example}'")
+    return value

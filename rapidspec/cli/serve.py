@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -14,6 +13,7 @@ from rapidspec.cli.options import (
     add_prefix_cache_option,
     add_retrieval_options,
     decode_config,
+    json_object,
     load_engine,
     retrieval_config,
 )
@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
         from rapidspec.server.replicas import serve_replicas
 
         logging.getLogger("rapidspec").setLevel(logging.INFO)
-        return serve_replicas(args, config, args.replicas, args.ray_address, _resources(args.replica_resources),
-                              args.host, args.port)
+        resources = json_object(args.replica_resources, "--replica-resources", '{"num_cpus": 1}')
+        return serve_replicas(args, config, args.replicas, args.ray_address, resources, args.host, args.port)
     if args.ray_address is not None or args.replica_resources is not None:
         raise RapidspecError("--ray-address and --replica-resources apply with --replicas")
     engine = load_engine(args)
@@ -125,14 +125,3 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     return 0
 
-
-def _resources(text: str | None) -> dict | None:
-    if text is None:
-        return None
-    try:
-        resources = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise RapidspecError(f"--replica-resources is not JSON: {err}") from None
-    if not isinstance(resources, dict):
-        raise RapidspecError('--replica-resources must be a JSON object, e.g. \'{"num_cpus": 1}\'')
-    return resources
