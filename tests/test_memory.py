@@ -12,17 +12,19 @@ from rapidspec.evaluation.memory import PeakMemory
 
 
 def test_peak_sees_a_temporary_allocation():
-    """Compared with readings next to the block, not before it: other memory freed meanwhile moves the baseline."""
+    """Compared with readings next to the block: the one after it (other memory freed meanwhile moves the
+    baseline before it) or, where the allocator keeps the freed pages mapped, the one just before it."""
     rss = lambda: psutil.Process().memory_info().rss  # noqa: E731
     mib = 1024 * 1024
     with PeakMemory(interval_s=0.005) as peak:
+        before = rss()
         block = torch.ones(64 * mib)  # 256 MiB, touched
         during = rss()
         time.sleep(0.1)  # twenty sampling intervals
         del block
         after = rss()
     assert peak.peak_rss_bytes >= during - 16 * mib  # the sampling thread saw the block
-    assert peak.peak_rss_bytes - after >= 200 * mib  # and it was a peak: freeing it lowered the RSS
+    assert peak.peak_rss_bytes - min(before, after) >= 200 * mib  # and it was a peak above the memory around it
     assert peak.peak_cuda_bytes is None
 
 

@@ -135,6 +135,12 @@ def test_a_killed_replica_fails_its_request_cleanly_and_the_next_ones_are_served
     for conversation in range(2):  # the surviving (and the restarted) replicas serve the next requests
         assert _turn(replicas, conversation, 1)["usage"]["completion_tokens"] == 4
 
+    def restarted() -> bool:  # Serve replaced the dead replica: two report again, the killed process not among them
+        health = httpx.get(f"{replicas}/health", timeout=10).json()
+        return len(health["replicas"]) == 2 and pids[busy] not in {r["pid"] for r in health["replicas"]}
+
+    assert wait_until(restarted, timeout=180, every=1.0)
+
 
 def test_replica_options_are_checked_before_anything_starts(capsys):
     from rapidspec.cli import main
