@@ -119,6 +119,8 @@ def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        if fleet is not None:
+            fleet.stop()  # a replica shutting down stops reporting (the board drops it after STALE_AFTER_S)
         await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="rapidspec", version=__version__, lifespan=lifespan)
@@ -185,8 +187,7 @@ def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
     # ---------------------------------------------------------------- routes
     def local_health() -> dict:
         return {"status": "ok", "model": config.model_name, "pid": os.getpid(), "running": worker.running,
-                "waiting": worker.waiting,
-                "max_num_seqs": worker.max_num_seqs,
+                "waiting": worker.waiting, "max_num_seqs": worker.max_num_seqs,
                 "max_queue": config.max_queue, "prefix_cache": {"entries": len(engine.prefix_cache),
                                                                  "bytes": engine.prefix_cache.bytes_used,
                                                                  "max_bytes": engine.prefix_cache.max_bytes}}
