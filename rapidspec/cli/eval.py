@@ -68,7 +68,7 @@ def register(subparsers) -> None:
     cluster.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                          help="answer the items on Ray actors, each with its own engine: a local Ray instance, or the "
                               "cluster at ADDRESS (e.g. auto, or ray://HOST:10001); the results file stays here")
-    cluster.add_argument("--workers", type=int, default=2, help="actors with --ray (default: %(default)s)")
+    cluster.add_argument("--workers", type=int, default=None, help="actors with --ray (default: 2)")
     cluster.add_argument("--worker-resources", default=None, metavar="JSON",
                          help='Ray resources of each actor, e.g. \'{"num_gpus": 1}\' (default: {"num_cpus": 1})')
     add_model_options(parser)
@@ -163,14 +163,14 @@ def run(args: argparse.Namespace) -> int:
 def _ray_workers(args: argparse.Namespace):
     """The Ray actors --ray asks for (connected, models loading), or None for a local run."""
     if args.ray is None:
-        if args.workers != 2 or args.worker_resources is not None:
+        if args.workers is not None or args.worker_resources is not None:
             raise RapidspecError("--workers and --worker-resources apply with --ray")
         return None
     from rapidspec.evaluation.ray_workers import RayWorkers
 
     resources = json_object(args.worker_resources, "--worker-resources", '{"num_cpus": 1}')
     address = None if args.ray == "local" else args.ray
-    return RayWorkers(args, args.workers, address, resources).connect()
+    return RayWorkers(args, 2 if args.workers is None else args.workers, address, resources).connect()
 
 
 def breakdown_table(rows) -> Table:
