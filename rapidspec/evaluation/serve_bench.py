@@ -75,8 +75,7 @@ class LoadConfig:
             raise RapidspecError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if not self.request_rate > 0:  # also refuses nan
             raise RapidspecError(f"--request-rate must be > 0 (inf: all at once), got {self.request_rate}")
-        lengths = self.max_tokens if isinstance(self.max_tokens, tuple) else (self.max_tokens,)
-        if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+        if not self.answer_lengths or any(not isinstance(n, int) or n < 1 for n in self.answer_lengths):
             raise RapidspecError(f"--max-tokens must be one or more integers >= 1, got {self.max_tokens}")
         if not 0 < self.timeout_s < math.inf:
             raise RapidspecError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
@@ -86,12 +85,17 @@ class LoadConfig:
             raise RapidspecError(f"--extra-body may not set {', '.join(reserved)}: the options of bench serve do")
 
     @property
+    def answer_lengths(self) -> tuple[int, ...]:
+        """The ``max_tokens`` the requests take in turn."""
+        return self.max_tokens if isinstance(self.max_tokens, tuple) else (self.max_tokens,)
+
+    @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def body(self, request: BenchRequest, index: int = 0) -> dict:
         """The ``/v1/chat/completions`` body of ``request``, the ``index``-th of the load."""
-        lengths = self.max_tokens if isinstance(self.max_tokens, tuple) else (self.max_tokens,)
+        lengths = self.answer_lengths
         body: dict = {"messages": list(request.messages), "max_tokens": lengths[index % len(lengths)],
                       "stream": self.stream}
         if self.stream:
