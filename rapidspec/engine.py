@@ -334,17 +334,9 @@ class Rapid:
         if cache is None:
             cache = new_kv_cache(self.target, self.prefill_chunk_tokens)
         cache.reserve(room)
-        rest, step = wanted[cache.length :], self.prefill_chunk_tokens
-        for start in range(0, len(rest), step):
-            if start and should_stop():
-                raise PrefillStopped(f"prefill stopped after {start} of {len(rest)} tokens")
-            if progress is not None:
-                progress(start, len(rest))
-            cache.prefill(rest[start : start + step])
+        for _ in cache.prefill_chunks(wanted[cache.length :], should_stop, progress):
             if tick is not None:
                 yield tick
-        if progress is not None and rest:
-            progress(len(rest), len(rest))
         return cache
 
     def _start_drafter(self, prompts: PromptPair, config: DecodeConfig, stats: GenerationStats):

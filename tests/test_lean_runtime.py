@@ -84,6 +84,21 @@ def test_lean_logits_equal_transformers_through_prefill_verify_step_and_rollback
 
 
 @torch.inference_mode()
+def test_prefill_chunks_yields_after_each_chunk_and_returns_the_prefill_logits(tiny):
+    ids = token_ids(150, seed=2)
+    whole = KVCache(tiny.model, prefill_chunk_tokens=64).prefill(ids)
+    for cache in (KVCache(tiny.model, prefill_chunk_tokens=64), LeanKVCache(LeanModel(tiny.model), prefill_chunk_tokens=64)):
+        heard, chunks = [], cache.prefill_chunks(ids, progress=lambda done, total: heard.append(done))
+        done = []
+        with pytest.raises(StopIteration) as finished:
+            while True:
+                done.append(next(chunks))
+                assert cache.length == done[-1]  # the chunk is in the cache when it is yielded
+        assert done == [64, 128, 150] and heard == [0, 64, 128, 150]
+        torch.testing.assert_close(finished.value.value, whole, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
 def test_capacity_growth_clone_and_memory(tiny):
     lean = LeanKVCache(LeanModel(tiny.model), prefill_chunk_tokens=1000)
     ids = token_ids(700, seed=1)

@@ -17,6 +17,7 @@ import httpx
 
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.serve_stats import RequestResult
+from rapidspec.server.replicas import SESSION_HEADER  # what `rapidspec serve --replicas` keeps on one replica
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,6 @@ COUNTERS = {
     "draft_tokens": "rapidspec:spec_decode_num_draft_tokens_total",
     "accepted_tokens": "rapidspec:spec_decode_num_accepted_tokens_total",
 }
-
-
-SESSION_HEADER = "x-session-id"  # what `rapidspec serve --replicas` keeps on one replica
 
 
 async def send_request(client: httpx.AsyncClient, index: int, body: dict, session: str | None = None) -> RequestResult:

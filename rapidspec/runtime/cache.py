@@ -21,7 +21,7 @@ next forward pass (``pending`` tokens).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 from transformers import DynamicCache, DynamicLayer
@@ -144,6 +144,30 @@ class HeldTokens:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
 
+    def prefill_chunks(
+        self,
+        token_ids: Sequence[int],
+        should_stop: Callable[[], bool] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Generator[int, None, torch.Tensor | None]:
+        """A generator over a chunked prefill: yields the tokens done after each chunk, returns what :meth:`prefill` does.
+
+        The caller can do other work between chunks (the server interleaves requests this way).
+        """
+        logits = None
+        total = len(token_ids)
+        for start in range(0, total, self.prefill_chunk_tokens):
+            if start and should_stop is not None and should_stop():
+                raise PrefillStopped(f"prefill stopped after {start} of {total} tokens")
+            if progress is not None and not start:
+                progress(0, total)
+            logits = self.forward(token_ids[start : start + self.prefill_chunk_tokens], num_logits=1)
+            done = min(start + self.prefill_chunk_tokens, total)
+            if progress is not None:
+                progress(done, total)
+            yield done
+        return logits
+
     def prefill(
         self,
         token_ids: Sequence[int],
@@ -158,17 +182,12 @@ class HeldTokens:
         chunks done so far). ``progress(done, total)`` is called before the
         first chunk and after each one.
         """
-        logits = None
-        total = len(token_ids)
-        for start in range(0, total, self.prefill_chunk_tokens):
-            if start and should_stop is not None and should_stop():
-                raise PrefillStopped(f"prefill stopped after {start} of {total} tokens")
-            if progress is not None and not start:
-                progress(0, total)
-            logits = self.forward(token_ids[start : start + self.prefill_chunk_tokens], num_logits=1)
-            if progress is not None:
-                progress(min(start + self.prefill_chunk_tokens, total), total)
-        return logits
+        chunks = self.prefill_chunks(token_ids, should_stop, progress)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as finished:
+                return finished.value
 
 
 class KVCache(HeldTokens):

@@ -19,7 +19,7 @@ what it holds, or the room it is asked for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -74,11 +74,11 @@ class LeanKVCache(HeldTokens):
         self._token_ids.extend(int(t) for t in token_ids)
         return logits.float()  # [num_logits, V]
 
-    def prefill(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None,
-                progress: Callable[[int, int], None] | None = None) -> torch.Tensor | None:
-        """Append a long sequence in chunks (room reserved once); logits after the last token ([1, V]) or None."""
+    def prefill_chunks(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> Generator[int, None, torch.Tensor | None]:
+        """The chunked prefill of the base class, with room for all of ``token_ids`` reserved once."""
         self.reserve(self.length + len(token_ids))
-        return super().prefill(token_ids, should_stop, progress)
+        return (yield from super().prefill_chunks(token_ids, should_stop, progress))
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (rollback of rejected tokens)."""

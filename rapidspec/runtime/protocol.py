@@ -11,7 +11,7 @@ checks that the members exist, not their signatures.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -52,6 +52,11 @@ class KVCacheProtocol(Protocol):
         ``should_stop()``, asked between chunks, ends it early with :class:`~rapidspec.runtime.errors.PrefillStopped`;
         ``progress(done, total)`` hears of each chunk.
         """
+        ...
+
+    def prefill_chunks(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> Generator[int, None, torch.Tensor | None]:
+        """:meth:`prefill` as a generator: yields the tokens done after each chunk and returns its logits."""
         ...
 
     def crop(self, length: int) -> None:
