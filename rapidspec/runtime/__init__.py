@@ -4,8 +4,8 @@ Contract: :func:`new_kv_cache` returns an empty cache satisfying
 :class:`~rapidspec.runtime.protocol.KVCacheProtocol` (``forward``,
 ``prefill``, ``prefill_chunks``, ``crop``, ``reserve``, ``clone``, ``length``,
 ``token_ids``, ``device``, ``memory_bytes``) whichever forward the model runs,
-so the engine, the prefix
-cache and the benchmarks never ask which one it is. The package imports
+so the engine, the prefix cache and the benchmarks never ask which one it is.
+The package imports
 nothing from the rest of rapidspec; it raises its own ``ValueError``
 subclasses (:mod:`~rapidspec.runtime.errors`) and reads the cache directory
 itself (:mod:`~rapidspec.runtime.cache_dir`).
