@@ -14,14 +14,12 @@ given (``ray start --head`` makes a cluster; every node needs the models:
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Iterable, Iterator
 
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import EvalItem
 from rapidspec.evaluation.item_runner import ItemRunner, RunOptions
-
-logger = logging.getLogger(__name__)
+from rapidspec.ray_connect import connect_ray
 
 DEFAULT_WORKER_RESOURCES = {"num_cpus": 1}
 
@@ -67,13 +65,7 @@ class RayWorkers:
 
     def connect(self) -> "RayWorkers":
         """Connect to Ray (or start a local instance) and start the actors; each loads the models."""
-        ray = import_ray()
-        if not ray.is_initialized():
-            try:
-                ray.init(address=self.address, include_dashboard=False if self.address is None else None,
-                         log_to_driver=False, logging_level=logging.WARNING)
-            except (ConnectionError, ValueError, RuntimeError) as err:
-                raise RapidspecError(f"cannot connect to Ray at {self.address or 'a local instance'}: {err}") from None
+        ray = connect_ray(self.address, "--ray", log_to_driver=False)  # the driver's progress bar stays readable
         try:
             actor = ray.remote(**self.resources)(EvalActor)
         except (TypeError, ValueError) as err:
@@ -113,7 +105,8 @@ class RayWorkers:
 
 def _get(refs, fetch=None):
     """``ray.get(refs)`` (or ``fetch(refs)``) with an actor's failure as a RapidspecError naming its cause."""
-    ray = import_ray()
+    import ray
+
     try:
         return ray.get(refs) if fetch is None else fetch(refs)
     except ray.exceptions.RayTaskError as err:
@@ -124,10 +117,3 @@ def _get(refs, fetch=None):
     except ray.exceptions.RayActorError as err:
         raise RapidspecError(f"a Ray worker died: {err}") from None
 
-
-def import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise RapidspecError("--ray needs the ray extra: pip install 'rapidspec[ray]'") from None
-    return ray

@@ -20,6 +20,7 @@ import signal
 import threading
 
 from rapidspec.errors import RapidspecError
+from rapidspec.ray_connect import connect_ray
 from rapidspec.server.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from rapidspec.server.fleet import FLEET_ACTOR, FLEET_NAMESPACE, FleetBoard, FleetReporter
 
@@ -87,19 +88,12 @@ def deploy(model_args: argparse.Namespace, config, replicas: int, resources: dic
 def serve_replicas(model_args: argparse.Namespace, config, replicas: int, address: str | None,
                    resources: dict | None, host: str, port: int) -> int:
     """``rapidspec serve --replicas N``: deploy, then serve until SIGTERM or Ctrl-C."""
-    try:
-        import ray
-        from ray import serve
-    except ImportError:
-        raise RapidspecError("--replicas needs the ray extra: pip install 'rapidspec[ray]'") from None
     if port == 0:
         raise RapidspecError("--replicas needs a --port (Ray Serve's proxy does not pick a free one)")
     if address is None:  # the local instance's proxy answers its own errors with OpenAI's body
         os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
-    try:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    except (ConnectionError, ValueError, RuntimeError) as err:
-        raise RapidspecError(f"cannot connect to Ray at {address or 'a local instance'}: {err}") from None
+    ray = connect_ray(address, "--replicas")
+    from ray import serve
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
