@@ -281,6 +281,15 @@ def test_sessions_report_prefix_reuse_per_session():
     s = summarize([done(0, "conversation-0", 100, 0), done(1, "conversation-1", 100, 0),
                    done(2, "conversation-0", 100, 90), done(3, "conversation-1", 100, 50)], duration=1.0)
     assert s["prefix_reuse_by_session"] == {"conversation-0": 0.45, "conversation-1": 0.25}
+    from rich.console import Console
+
+    from rapidspec.cli.bench_serve_report import outcome_table
+
+    console = Console(width=200, record=True)
+    four = {"a": 0.5, "b": 0.5, "c": 1.0, "d": 1.0}
+    summary = LoadConfig(base_url="http://h:1").describe() | s | {"dataset": "builtin", "prefix_reuse_by_session": four}
+    console.print(outcome_table(summary))
+    assert "50.0% / 75.0% / 100.0%" in console.export_text()  # the median of an even count lies between the two middle
     assert "prefix_reuse_by_session" not in summarize([done(0, None, 100, 0)], duration=1.0)
     config = LoadConfig(base_url="http://h:1", sessions=True)
     assert config.describe()["sessions"] is True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from rapidspec.evaluation.serve_stats import percentile
+
 LATENCIES = (("ttft", "TTFT (time to first token)"), ("tpot", "TPOT (time per output token, excl. 1st)"),
              ("itl", "ITL (inter-token latency, per chunk)"), ("e2el", "E2EL (end-to-end latency)"))
 STATS = ("mean", "median", "p90", "p95", "p99")
@@ -50,7 +52,7 @@ def outcome_table(s: dict) -> Table:
     if reuse:
         rates = [r for r in reuse.values() if r is not None]
         rows.append((f"prompt tokens cached, per session ({len(reuse)}): min / median / max",
-                     " / ".join(f"{v:.1%}" for v in (min(rates), sorted(rates)[len(rates) // 2], max(rates))) if rates else "-"))
+                     " / ".join(f"{v:.1%}" for v in (min(rates), percentile(rates, 50), max(rates))) if rates else "-"))
     health = s.get("health_after")
     if isinstance(health, dict) and "running" in health:
         replicas = f", {len(health['replicas'])} replicas" if "replicas" in health else ""
