@@ -53,7 +53,10 @@ class PromptTemplate:
     ``source`` is filled with ``full_source`` for the whole document and with
     ``retrieved_source`` for retrieved chunks. ``chat`` wraps the text as one
     user turn of the tokenizer's chat template (when the tokenizer has one);
-    otherwise ``plain_suffix`` is appended.
+    otherwise ``plain_suffix`` is appended. ``answer_prefix`` opens the
+    answer (RULER's "The special magic numbers for KEY ... are"): it follows
+    the prompt in both views, so the model continues it, and is not part of
+    the answer's text.
     """
 
     body: str = DEFAULT_BODY
@@ -62,6 +65,7 @@ class PromptTemplate:
     system: str | None = None
     chat: bool = True
     plain_suffix: str = "\nAnswer:"
+    answer_prefix: str = ""
 
     def __post_init__(self) -> None:
         for name in ("{document}", "{question}"):
@@ -82,8 +86,12 @@ def prompt_ids(tokenizer, template: PromptTemplate, document: str, question: str
         messages = [{"role": "user", "content": text}]
         if template.system is not None:
             messages.insert(0, {"role": "system", "content": template.system})
-        return chat_template_ids(tokenizer, messages)
-    return text_ids(tokenizer, text + template.plain_suffix)
+        ids = chat_template_ids(tokenizer, messages)
+        if template.answer_prefix:
+            ids += [int(t) for t in tokenizer(template.answer_prefix, add_special_tokens=False)["input_ids"]]
+        return ids
+    suffix = template.plain_suffix + (" " + template.answer_prefix if template.answer_prefix else "")
+    return text_ids(tokenizer, text + suffix)
 
 
 def chat_template_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -18,7 +18,7 @@ from rich.table import Table
 from rapidspec.cli.options import (add_decode_options, add_model_options, add_retrieval_options, decode_config, json_object,
                                    load_models, retrieval_config)
 from rapidspec.cli.prefill_bar import prefill_bar
-from rapidspec.config import MODES, DecodeConfig
+from rapidspec.config import MAX_TOP_LOGPROBS, MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown
 from rapidspec.evaluation.datasets import FORMATS, load_items
@@ -59,6 +59,9 @@ def register(subparsers) -> None:
     parser.add_argument("--retrieve-from", default=None, metavar="other-item|FILE",
                         help="retrieve the drafter's chunks from another item's document or from FILE instead of the "
                              "item's own (unrelated retrieval on purpose; the target still reads the item's document)")
+    parser.add_argument("--logprobs", type=int, default=0, metavar="K",
+                        help="store in each record the top-K log-probabilities of its first answer tokens under the lc, "
+                             "rag and drafter views, for offline recomputation (benchmarks/offline_eta.py); 0 = off")
     synthetic = parser.add_argument_group("synthetic needle tasks (--format synthetic)")
     synthetic.add_argument("--lengths", default="4096", help="prompt lengths in tokens, comma-separated (default: %(default)s)")
     synthetic.add_argument("--tasks", default=",".join(TASKS), help="comma-separated (default: %(default)s)")
@@ -100,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
               if f.name in _PASSED_THROUGH and getattr(base, f.name) != getattr(defaults, f.name)}
     if "stop" in passed:
         passed["stop"] = list(passed["stop"])
+    if not 0 <= args.logprobs <= MAX_TOP_LOGPROBS:
+        raise RapidspecError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {args.logprobs}")
     if args.limit is not None and args.limit < 1:
         raise RapidspecError(f"--limit must be >= 1, got {args.limit}")
     synthetic = args.format == "synthetic" or (args.data is None and args.format is None)
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         results=args.results, overwrite=args.overwrite, data_label=label, decode_options=passed,
         sweep=sweep, retrieve_from=args.retrieve_from, other_items=every_item, prefill_progress=prefill_bar(args.quiet),
-        judge=judge, workers=workers,
+        judge=judge, workers=workers, logprobs=args.logprobs,
     )
     who = breakdown(result.records)
     if not args.json_only:

@@ -13,6 +13,8 @@ from dataclasses import asdict
 
 from rapidspec.config import DecodeConfig
 
+#: Answer token limit per task type when none is given (needles: RULER's 128).
+DEFAULT_MAX_NEW_TOKENS = {"mc": 64, "qa": 64, "needle": 128, "summary": 256}
 #: Retrieval fields that change neither what is retrieved nor its scores.
 RETRIEVAL_SPEED_ONLY = ("batch_size", "max_cached_documents")
 #: Decode fields that are per record (the record key) or set per task type, not part of the file's identity.
@@ -40,10 +42,12 @@ def decode_identity(base: DecodeConfig) -> dict:
 
 
 def run_config(target, drafter, drafter_backend: str, base: DecodeConfig, *, data: str, max_new_tokens: int | None,
-               retrieval, retrieve_from: str | None) -> dict:
+               retrieval, retrieve_from: str | None, logprobs: int = 0) -> dict:
     """The configuration stored in (and compared against) every record of a results file.
 
-    ``drafter_backend``: the backend that drafts (``torch`` or ``llama.cpp``, resolved from ``auto``).
+    ``drafter_backend``: the backend that drafts (``torch`` or ``llama.cpp``, resolved from ``auto``);
+    ``max_new_tokens=None`` stores the per-task defaults; ``logprobs``: the top-K of the views
+    (:mod:`.logprob_views`), stored only when > 0.
     """
     return {
         "model": getattr(target, "name", type(target).__name__),
@@ -52,11 +56,12 @@ def run_config(target, drafter, drafter_backend: str, base: DecodeConfig, *, dat
         "drafter_backend": drafter_backend,
         "data": data,
         "temperature": base.temperature,
-        "max_new_tokens": max_new_tokens,
+        "max_new_tokens": max_new_tokens if max_new_tokens is not None else dict(DEFAULT_MAX_NEW_TOKENS),
         "seed": base.seed,
         "retrieval": {k: v for k, v in asdict(retrieval).items() if k not in RETRIEVAL_SPEED_ONLY},
         "decode": decode_identity(base),
         **({"retrieve_from": retrieve_from} if retrieve_from is not None else {}),
+        **({"logprobs": logprobs} if logprobs else {}),
     }
 
 
@@ -67,3 +72,10 @@ def drafter_name(config: dict) -> str | None:
         quantization = drafter.get("quantization", "none")
         return drafter.get("name") if quantization == "none" else f"{drafter.get('name')} {quantization}"
     return drafter
+
+
+def separate_drafter(config: dict) -> bool:
+    """Whether a stored configuration's drafter is another model than the target (not its own weights)."""
+    drafter = config.get("drafter")
+    name = drafter.get("name") if isinstance(drafter, dict) else drafter
+    return name not in (None, "self", (config.get("target") or {}).get("name"))

@@ -34,13 +34,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rapidspec.config import MODES, DecodeConfig
+from rapidspec.config import MAX_TOP_LOGPROBS, MODES, DecodeConfig
+from rapidspec.drafting import MODE_TABLE
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.bench_inputs import Sweep
+from rapidspec.evaluation.bench_inputs import Sweep, Variant
 from rapidspec.evaluation.datasets import EvalItem
 from rapidspec.evaluation.judge import JUDGED_TASK_TYPES
-from rapidspec.evaluation.item_runner import ItemRunner, RunOptions
+from rapidspec.evaluation.item_runner import DRAFTER_ROW, ItemRunner, RunOptions
 from rapidspec.evaluation.metrics import HEADLINE, bootstrap_ci
+from rapidspec.evaluation.run_config import separate_drafter
 from rapidspec.evaluation.variants import eval_variants
 
 DEFAULT_MODES = ("lc", "rag", "rapid")
@@ -219,6 +221,7 @@ def run_eval(
     prefill_progress: Callable[[int, int], None] | None = None,
     judge=None,
     workers=None,
+    logprobs: int = 0,
 ) -> EvalRun:
     """Run every item under every mode (and sweep point, :mod:`.variants`) and score it.
 
@@ -236,6 +239,12 @@ def run_eval(
     ``workers``: a :class:`~rapidspec.evaluation.ray_workers.RayWorkers` that
     answers the items on Ray actors with engines of their own (``target`` and
     ``drafter`` are then unused); the judge and the results file stay here.
+    ``logprobs``: K > 0 stores in each record the top-K log-probabilities of
+    its first answer tokens under the lc, rag and drafter views
+    (:mod:`~rapidspec.evaluation.logprob_views`). When the drafter is another
+    model than the target and a mode drafts from retrieved text, each item
+    also gets a record of mode ``drafter``: the drafter's own answer on the
+    retrieved text (rag with the drafter's weights).
     """
     from rapidspec.retrieval import RetrievalConfig
 
@@ -253,7 +262,11 @@ def run_eval(
     corpora = retrieval_corpora(items, retrieve_from, other_items)
     base = DecodeConfig(**{"mode": "rapid", "eta": eta, "gamma": gamma, "max_gamma": max(gamma, DecodeConfig.max_gamma),
                            "temperature": temperature, "seed": seed, **decode_options})
-    options = RunOptions(retrieval, base, max_new_tokens, data_label, retrieve_from, corpora)
+    if logprobs < 0 or logprobs > MAX_TOP_LOGPROBS:
+        raise RapidspecError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+    if logprobs and any(item.messages for item in items):
+        raise RapidspecError("--logprobs applies to questions about documents, not to chat-form items")
+    options = RunOptions(retrieval, base, max_new_tokens, data_label, retrieve_from, corpora, logprobs)
     runner = ItemRunner(target, drafter, options, prefill_progress) if workers is None else workers.start(options)
     config = dict(runner.config)
     if judge is not None:
@@ -261,7 +274,11 @@ def run_eval(
     store = ResultsFile(results, config, overwrite=overwrite)
     done = store.keys()
 
-    wanted = [(item, variant) for item in items for variant in eval_variants(modes, base, sweep)]
+    variants = eval_variants(modes, base, sweep)
+    if separate_drafter(config) and any(MODE_TABLE[m].drafter_reads == "retrieved" and MODE_TABLE[m].drafter_kind == "model"
+                                        for m in modes):
+        variants.append(Variant(DRAFTER_ROW, DRAFTER_ROW, base.with_(mode="rag", eta=None)))
+    wanted = [(item, variant) for item in items for variant in variants]
     pending = [(item, v) for item, v in wanted if record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) not in done]
 
     bar = None

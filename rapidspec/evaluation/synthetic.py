@@ -14,7 +14,9 @@ Contract:
   own paragraph at a seeded depth (a paragraph boundary).
 * Tasks: ``niah_single`` (one needle), ``niah_multikey`` (four needles with
   different keys, one asked for), ``niah_multivalue`` (four values for one
-  key, all asked for). Scored by :func:`rapidspec.evaluation.metrics.needle_recall`
+  key, all asked for). The answer opens with RULER's answer prefix ("The
+  special magic numbers for KEY mentioned in the provided text are"), given
+  with 128 new tokens (RULER's budget). Scored by :func:`rapidspec.evaluation.metrics.needle_recall`
   (fraction of gold values in the answer).
 * Deterministic: the same seed, length, task and index give the same item.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from rapidspec.demo_document import SENTENCE_END, token_counter, source_paragraphs
@@ -36,6 +39,9 @@ NEEDLES_PER_ITEM = 4  # multikey: 1 asked + 3 distractors; multivalue: 4 values
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION_ONE = "What is the special magic number for {key} mentioned in the provided text?"
 QUESTION_ALL = "What are all the special magic numbers for {key} mentioned in the provided text?"
+# RULER's answer prefixes: the answer starts with them, as RULER's niah templates do.
+PREFIX_ONE = "The special magic number for {key} mentioned in the provided text is"
+PREFIX_ALL = "The special magic numbers for {key} mentioned in the provided text are"
 
 TEMPLATE = PromptTemplate(
     body=(
@@ -123,7 +129,9 @@ def needle_item(
     for depth, which in zip(depths, order):
         paragraphs.insert(depth, needles[which])
     document = "\n\n".join(paragraphs)
-    question = (QUESTION_ALL if task == "niah_multivalue" else QUESTION_ONE).format(key=asked)
+    every = task == "niah_multivalue"
+    question = (QUESTION_ALL if every else QUESTION_ONE).format(key=asked)
+    template = replace(TEMPLATE, answer_prefix=(PREFIX_ALL if every else PREFIX_ONE).format(key=asked))
     return EvalItem(
         id=f"{task}@{length}-{index}",
         document=document,
@@ -131,7 +139,7 @@ def needle_item(
         query=question,
         answers=answers,
         task_type="needle",
-        template=TEMPLATE,
+        template=template,
         group=f"synthetic/{task}@{length}",
         meta={"needles": needles, "depths": [document.index(n) / max(1, len(document)) for n in needles]},
     )
