@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rapidspec.drafting.backends import DRAFTER_BACKENDS
+from rapidspec.drafting.eta_default import DEFAULT_ETA
 from rapidspec.drafting.modes import MODE_TABLE, MODES
 from rapidspec.drafting.streaming import DEFAULT_SINK_TOKENS, DEFAULT_STREAMING_TOKENS
 from rapidspec.errors import RapidspecError
@@ -26,10 +27,9 @@ MAX_TOKENS = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
-#: Chosen from the dev studies (docs/quality.md, "The defaults and their evidence"): with self-speculation
-#: (the default drafter) eta = 5 scored above 2 on the built-in needle tasks and on QuALITY with Qwen 1.5B;
-#: with a much smaller drafter eta <= 2 did better on QuALITY, which the docs tell users.
-DEFAULT_RAPID_ETA = 5.0
+#: The eta of ``rapid`` when none is given and no engine says how its drafter relates to the target;
+#: an engine uses the default of its drafter's relation (:mod:`rapidspec.drafting.eta_default`).
+DEFAULT_RAPID_ETA = DEFAULT_ETA["self"]
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,10 @@ class DecodeConfig:
       the first ``sink_tokens`` and the last ``streaming_tokens - sink_tokens``
       tokens of the target's prompt (a StreamingLLM cache, :mod:`rapidspec.drafting`).
     * ``eta``: strength of the retrieval-augmented target (paper's eta). Only
-      ``rapid`` uses it; ``None`` means 5.0 for ``rapid`` and 0 otherwise (greedy compares
-      logits at temperature 1, where eta = 5 shifts as much as the paper's
-      eta = 50 at T = 0.1; chosen from the dev study, see README).
+      ``rapid`` uses it; ``None`` means the default of the drafter's relation to
+      the target for ``rapid`` (the engine decides: :mod:`rapidspec.drafting.eta_default`)
+      and 0 otherwise (greedy compares logits at temperature 1, where eta = 5
+      shifts as much as the paper's eta = 50 at T = 0.1).
     * ``gamma``: drafted tokens per round. ``gamma_schedule="heuristic"``
       grows it by 2 after a fully accepted round and shrinks it by 1 otherwise
       (between 1 and ``max_gamma``), as transformers' assisted generation does.
@@ -153,7 +154,7 @@ class DecodeConfig:
 
     @property
     def effective_eta(self) -> float:
-        """The eta actually used: the given one, 5.0 for ``rapid`` by default, else 0."""
+        """The eta used: the given one, for ``rapid`` by default the self-speculation default, else 0."""
         if not MODE_TABLE[self.mode].eta:
             return 0.0
         return DEFAULT_RAPID_ETA if self.eta is None else float(self.eta)

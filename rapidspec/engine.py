@@ -31,6 +31,7 @@ from rapidspec.config import DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
 from rapidspec.drafting import MODE_TABLE, NO_PROPOSAL
 from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters, choose_backend, gguf_file
+from rapidspec.drafting.eta_default import EtaWarnings, drafter_relation, resolve_eta
 from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.errors import RapidspecError
 from rapidspec.gamma_schedule import GammaSchedule, new_schedule
@@ -41,7 +42,7 @@ from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts, with
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.stats import GenerationStats, RoundRecord
-from rapidspec.text_stream import TextAssembler
+from rapidspec.text_stream import TextAssembler, cut_answer
 from rapidspec.vocabulary import check_same_vocabulary, eos_token_ids, logit_width
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class Rapid:
         self.prefix_cache = PrefixCache(int(prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
         self.eos_token_ids = eos_token_ids(target)
         self._pools: dict[str, object] = {}
+        self._relation: str | None = None
+        self._eta_warnings = EtaWarnings()
         self.drafter_backend = choose_backend(drafter_backend, target, drafter)
         pool = self.drafters(self.drafter_backend)
         # Logits beyond the smaller vocabulary (embedding padding) are never real tokens.
@@ -116,6 +119,13 @@ class Rapid:
             self._drafter_source = load_model(self._drafter_source, dtype=self.target.dtype, device=self.target.device)
             check_same_vocabulary(self.target.tokenizer, self._drafter_source.tokenizer)
         return self.target if self._drafter_source is None else self._drafter_source
+
+    @property
+    def drafter_relation(self) -> str:
+        """``self``, ``larger`` or ``smaller``: what decides the default eta (:mod:`rapidspec.drafting.eta_default`)."""
+        if self._relation is None:
+            self._relation = drafter_relation(self.target, self._drafter_source)
+        return self._relation
 
     @property
     def drafter_label(self) -> str:
@@ -248,7 +258,9 @@ class Rapid:
         them all inside ``torch.inference_mode()``, as the server's worker does). ``config.time_limit_s``
         ends the answer with stop reason ``time`` (a RapidspecError when the prefill alone takes longer).
         """
+        config, eta_source = resolve_eta(config, self.drafter_relation, self._eta_warnings)
         stats = GenerationStats.starting(config, prompts)
+        stats.eta_source = eta_source
         target_device = self.target.model.device
         if generator is None:
             generator = torch.Generator(device=target_device)
@@ -397,7 +409,7 @@ class Rapid:
                 stats.add_round(measured)
                 schedule.record(measured)
             # 5 commit: stop at EOS, a stop string and max_new_tokens, then roll back the caches
-            emitted, finished = self._cut(emitted, remaining, stop_tokens)
+            emitted, finished = cut_answer(emitted, remaining, stop_tokens)
             text, stopped = assembler.add(emitted)
             if stopped:
                 emitted, finished = emitted[: assembler.kept], "stop"  # no tokens after the stop string
@@ -428,15 +440,3 @@ class Rapid:
         output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
                                   None if config.logprobs is None else tuple(all_logprobs))
         yield StreamChunk(text="", token_ids=(), output=output)
-
-    @staticmethod
-    def _cut(emitted: list[int], remaining: int, stop_tokens: frozenset[int]) -> tuple[list[int], str]:
-        """``emitted`` up to an EOS and to ``remaining`` tokens, and why generation finishes ("" = it goes on)."""
-        finished = ""
-        for index, token in enumerate(emitted):
-            if token in stop_tokens:
-                emitted, finished = emitted[:index], "eos"
-                break
-        if len(emitted) >= remaining:
-            emitted, finished = emitted[:remaining], finished or "length"
-        return emitted, finished

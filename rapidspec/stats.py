@@ -32,6 +32,7 @@ class GenerationStats:
 
     mode: str = "lc"
     eta: float = 0.0
+    eta_source: str | None = None  # rapid: "given" or the default's reason (rapidspec.drafting.eta_default)
     gamma: int = 0
     gamma_schedule: str = "constant"
     prompt_tokens_target: int = 0

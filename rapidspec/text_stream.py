@@ -7,6 +7,8 @@ tokenizer's clean-up of spaces, which can rewrite earlier text as tokens
 arrive; so the streamed text only grows and equals the final text. A stop
 string ends the answer at its first character, and the tokens after the one
 that completed it are dropped (:attr:`TextAssembler.kept`).
+:func:`cut_answer` cuts a round's tokens at an end-of-sequence token and at
+the length limit.
 """
 
 from __future__ import annotations
@@ -68,3 +70,15 @@ class TextAssembler:
         """Release everything held back (at the end of generation)."""
         self._final = self._decoded()
         return self._release(self._final)
+
+
+def cut_answer(emitted: list[int], remaining: int, stop_tokens: frozenset[int]) -> tuple[list[int], str]:
+    """``emitted`` up to an EOS and to ``remaining`` tokens, and why generation finishes ("" = it goes on)."""
+    finished = ""
+    for index, token in enumerate(emitted):
+        if token in stop_tokens:
+            emitted, finished = emitted[:index], "eos"
+            break
+    if len(emitted) >= remaining:
+        emitted, finished = emitted[:remaining], finished or "length"
+    return emitted, finished

@@ -153,6 +153,24 @@ def test_synthetic_needles_present_and_answerable(task, byte_tokenizer):
     assert len(item.answers) == (4 if task == "niah_multivalue" else 1)
 
 
+def test_needle_answers_open_with_rulers_prefix_and_get_128_tokens(byte_tokenizer, tiny_model):
+    from rapidspec.evaluation.run_config import DEFAULT_MAX_NEW_TOKENS
+    from rapidspec.prompts import prompt_ids
+
+    single = needle_item("niah_single", 1024, tokenizer=byte_tokenizer)
+    every = needle_item("niah_multivalue", 1024, tokenizer=byte_tokenizer)
+    key = every.question.split(" for ")[1].split(" mentioned")[0]
+    assert every.template.answer_prefix == f"The special magic numbers for {key} mentioned in the provided text are"
+    assert single.template.answer_prefix.startswith("The special magic number for ")
+    assert single.template.answer_prefix.endswith(" is")
+    tokenizer = tiny_model.tokenizer
+    prefix = tokenizer(every.template.answer_prefix, add_special_tokens=False)["input_ids"]
+    for retrieved in (False, True):  # both views end with the prefix: the answer continues it
+        ids = prompt_ids(tokenizer, every.template, every.document, every.question, retrieved)
+        assert ids[-len(prefix):] == prefix
+    assert DEFAULT_MAX_NEW_TOKENS["needle"] == 128
+
+
 def test_synthetic_length_respected(byte_tokenizer):
     for length in (1024, 4096):
         item = needle_item("niah_multikey", length, seed=0, tokenizer=byte_tokenizer, reserve_tokens=256)

@@ -39,10 +39,13 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_models_and_health(client, server):
+def test_models_and_health(client, server, engine):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     health = httpx.get(f"{server}/health").json()
     assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
+    # which eta rapid uses when a request names none, and why (the drafter is another model of the same size)
+    assert health["rapid_eta"] == {"default": 5.0, "reason": "default for a drafter at least as large as the target",
+                                   "drafter": engine.drafter_label, "drafter_relation": "larger"}
 
 
 def test_chat_completion_usage_and_statistics(client):
@@ -56,6 +59,7 @@ def test_chat_completion_usage_and_statistics(client):
     assert out.usage.prompt_tokens == stats["prompt_tokens_target"]
     assert out.usage.total_tokens == out.usage.prompt_tokens + 12
     assert stats["mode"] == "rapid" and stats["gamma"] == 3 and stats["drafted_tokens"] > 0
+    assert stats["eta"] == 5.0 and stats["eta_source"] == "default for a drafter at least as large as the target"
     assert out.model_extra["rapidspec"]["retrieval"]["num_chunks"] > 0
     assert out.model_extra["rapidspec"]["retrieved_turns"]
 

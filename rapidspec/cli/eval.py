@@ -20,7 +20,7 @@ from rapidspec.cli.options import (add_decode_options, add_model_options, add_re
 from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.config import MAX_TOP_LOGPROBS, MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown
+from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown, gap_text
 from rapidspec.evaluation.datasets import FORMATS, load_items
 from rapidspec.evaluation.bench_inputs import parse_modes
 from rapidspec.evaluation.runner import DEFAULT_MODES, run_eval
@@ -181,12 +181,14 @@ def _ray_workers(args: argparse.Namespace):
 def breakdown_table(rows) -> Table:
     """Who got it right (lc / rag split) and how each other run did in each group."""
     table = Table(title=f"right answers (score >= {RIGHT_AT}) by who else got them right: run right / items")
-    for name in ("task", "mode", "η", "sweep", "n", *GROUPS.values(), "only here", "lost vs lc"):
+    table.caption = "gaps: mean score differences on the same items, paired bootstrap 95% intervals"
+    for name in ("task", "mode", "η", "sweep", "n", *GROUPS.values(), "only here", "lost vs lc",
+                 "- max(lc, rag)", "- lc"):
         table.add_column(name, justify="left" if name in ("task", "mode", "sweep") else "right")
     for row in rows:
         cells = [f"{row.right[g]}/{row.items[g]}" for g in GROUPS.values()]
         table.add_row(row.group, row.mode, f"{row.eta:g}", row.sweep or "-", str(row.n), *cells, str(row.only_here),
-                      str(row.lost))
+                      str(row.lost), gap_text(row.vs_best), gap_text(row.vs_lc))
     return table
 
 

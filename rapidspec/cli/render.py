@@ -10,6 +10,7 @@ from rapidspec.stats import GenerationStats
 
 # (label, how to read the value from a GenerationStats)
 ROWS: tuple[tuple[str, object], ...] = (
+    ("eta (why)", lambda s: f"{s.eta:g} ({s.eta_source})" if s.eta_source else f"{s.eta:g}"),
     ("prompt tokens (target / drafter)", lambda s: f"{s.prompt_tokens_target} / {s.prompt_tokens_drafter or '-'}"),
     ("retrieved tokens (chunks)", lambda s: f"{s.retrieved_tokens} ({s.retrieved_chunks})" if s.retrieved_chunks else "-"),
     ("retrieval s", lambda s: f"{s.retrieval_seconds:.2f}"),

@@ -7,6 +7,7 @@
 * :mod:`.lookup`: prompt-lookup drafting (mode ``lookup``), no model.
 * :mod:`.backends`: torch and llama.cpp caches, ``auto`` choice, vocabulary checks.
 * :mod:`.streaming`: the StreamingLLM view mode ``magicdec`` drafts from.
+* :mod:`.eta_default`: the default eta by how the drafter relates to the target (self, larger, smaller).
 """
 
 from rapidspec.drafting.drafter import NO_PROPOSAL, Drafter, Proposal

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown, speedups
+from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown, gap_text, speedups
 from rapidspec.evaluation.report_plots import plot_file
 from rapidspec.evaluation.runner import SummaryRow, read_records, summarize
 from rapidspec.evaluation.run_config import drafter_name
@@ -144,12 +144,16 @@ def breakdown_section(records: Sequence[dict]) -> list[str]:
     if not rows:
         return []
     body = [[row.group, _label(row), str(row.n), *(f"{row.right[g]}/{row.items[g]}" for g in GROUPS.values()),
-             str(row.only_here), str(row.lost)] for row in rows]
+             str(row.only_here), str(row.lost), gap_text(row.vs_best), gap_text(row.vs_lc)] for row in rows]
     return ["### Who got it right (the paper's Figure 2)", "",
             f"Items split by whether lc and rag answered right (score >= {RIGHT_AT}); each cell: the run's right "
             "answers / items in the group. Paper: RAPID adds successes, including ones neither reference had "
-            "(\"only here\"), without adding failures (\"lost vs lc\").", "",
-            *_table(["task", "run", "n", *GROUPS.values(), "only here", "lost vs lc"], body), ""]
+            "(\"only here\"), without adding failures (\"lost vs lc\"). The last two columns are the run's mean "
+            "score minus max(lc, rag) and minus lc on the same items, with paired bootstrap 95% intervals "
+            "(items resampled together across runs): an interval that excludes 0 is a difference these items "
+            "establish.", "",
+            *_table(["task", "run", "n", *GROUPS.values(), "only here", "lost vs lc", "- max(lc, rag)", "- lc"], body),
+            ""]
 
 
 def retrieval_section(files: Sequence[list[dict]]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from rapidspec.config import DecodeConfig
+from rapidspec.drafting.eta_default import drafter_relation
 
 #: Answer token limit per task type when none is given (needles: RULER's 128).
 DEFAULT_MAX_NEW_TOKENS = {"mc": 64, "qa": 64, "needle": 128, "summary": 256}
@@ -54,6 +55,7 @@ def run_config(target, drafter, drafter_backend: str, base: DecodeConfig, *, dat
         "target": describe_model(target),
         "drafter": describe_model(drafter),
         "drafter_backend": drafter_backend,
+        "drafter_relation": drafter_relation(target, drafter),
         "data": data,
         "temperature": base.temperature,
         "max_new_tokens": max_new_tokens if max_new_tokens is not None else dict(DEFAULT_MAX_NEW_TOKENS),

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from rapidspec.config import MAX_TOP_LOGPROBS, MODES, DecodeConfig
 from rapidspec.drafting import MODE_TABLE
+from rapidspec.drafting.eta_default import DEFAULT_ETA
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.bench_inputs import Sweep, Variant
 from rapidspec.evaluation.datasets import EvalItem
@@ -269,6 +270,8 @@ def run_eval(
     options = RunOptions(retrieval, base, max_new_tokens, data_label, retrieve_from, corpora, logprobs)
     runner = ItemRunner(target, drafter, options, prefill_progress) if workers is None else workers.start(options)
     config = dict(runner.config)
+    if base.eta is None and (sweep is None or sweep.param != "eta"):  # the default of the drafter's relation
+        base = base.with_(eta=DEFAULT_ETA[config["drafter_relation"]])
     if judge is not None:
         config["judge"] = judge.name
     store = ResultsFile(results, config, overwrite=overwrite)

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rapidspec import __version__
 from rapidspec.config import MAX_TOKENS, DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, parse_documents, parse_messages
+from rapidspec.drafting.eta_default import resolve_eta
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
 from rapidspec.runtime.errors import PrefillStopped
@@ -185,8 +186,12 @@ def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
         return JSONResponse(body, status_code=status)
 
     # ---------------------------------------------------------------- routes
+    default_eta, eta_reason = resolve_eta(config.decode.with_(mode="rapid"), engine.drafter_relation)
+
     def local_health() -> dict:
         return {"status": "ok", "model": config.model_name, "pid": os.getpid(), "running": worker.running,
+                "rapid_eta": {"default": default_eta.eta, "reason": "given by --eta" if eta_reason == "given" else eta_reason,
+                              "drafter": engine.drafter_label, "drafter_relation": engine.drafter_relation},
                 "waiting": worker.waiting, "max_num_seqs": worker.max_num_seqs,
                 "max_queue": config.max_queue, "prefix_cache": {"entries": len(engine.prefix_cache),
                                                                  "bytes": engine.prefix_cache.bytes_used,

@@ -1,0 +1,89 @@
+"""The default eta, decided by how the drafter relates to the target.
+
+RAPID's shift toward the drafter (eta) helps when the drafter reading the
+retrieved text knows better than the target reading everything, and hurts
+when a weaker model hands over its own answer. So the default depends on the
+drafter (docs/quality.md, "The defaults and their evidence"):
+
+    relation   drafter                                     default eta
+    self       the target's own weights (or a low-bit copy)  DEFAULT_ETA["self"]
+    larger     another model at least 90% of the target's size  DEFAULT_ETA["larger"]
+    smaller    another model below that                     DEFAULT_ETA["smaller"]
+
+A given eta is always used as given; with a smaller drafter an eta above its
+default is warned about once per value.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+Relation = Literal["self", "larger", "smaller"]
+RELATIONS: tuple[str, ...] = ("self", "larger", "smaller")
+#: Chosen from the dev studies in docs/quality.md ("The defaults and their evidence").
+DEFAULT_ETA: dict[str, float] = {"self": 5.0, "larger": 5.0, "smaller": 2.0}
+#: A drafter with fewer parameters than this share of the target's counts as smaller.
+SMALLER_BELOW = 0.9
+
+
+def relation(target_parameters: int, drafter_parameters: int | None) -> Relation:
+    """``self`` when there is no other drafter (None), else ``larger`` or ``smaller`` by parameter count."""
+    if drafter_parameters is None:
+        return "self"
+    return "smaller" if drafter_parameters < SMALLER_BELOW * target_parameters else "larger"
+
+
+def default_reason(kind: Relation) -> str:
+    """Why the default is what it is, for outputs: ``default for self-speculation``."""
+    return {"self": "default for self-speculation", "larger": "default for a drafter at least as large as the target",
+            "smaller": "default for a drafter smaller than the target"}[kind]
+
+
+def parameter_count(model) -> int:
+    """Weights of a model: a GGUF file's tensor elements (a name or a model read from one), else torch's tensors."""
+    from rapidspec.drafting.backends import gguf_file
+
+    path = gguf_file(model)
+    if path is not None:
+        from gguf import GGUFReader
+
+        return int(sum(int(tensor.n_elements) for tensor in GGUFReader(str(path)).tensors))
+    module = model.model
+    return int(sum(t.numel() for t in (*module.parameters(), *module.buffers()) if t.dim() >= 2))
+
+
+def drafter_relation(target, drafter) -> Relation:
+    """How ``drafter`` (None, a loaded model or a model name) relates to ``target`` (a loaded model)."""
+    name = drafter if isinstance(drafter, str) or drafter is None else getattr(drafter, "name", None)
+    if drafter is None or drafter is target or name in ("self", getattr(target, "name", None)):
+        return "self"
+    return relation(parameter_count(target), parameter_count(drafter))
+
+
+def resolve_eta(config, kind: Relation, warnings: EtaWarnings | None = None):
+    """(``config`` with a concrete eta, where it came from): ``given``, a default's reason, or None outside rapid."""
+    from rapidspec.drafting.modes import MODE_TABLE
+
+    if not MODE_TABLE[config.mode].eta:
+        return config, None
+    if config.eta is None:
+        return config.with_(eta=DEFAULT_ETA[kind]), default_reason(kind)
+    if warnings is not None:
+        warnings.check(kind, float(config.eta))
+    return config, "given"
+
+
+class EtaWarnings:
+    """Warns once per eta value that is above the default of a smaller drafter."""
+
+    def __init__(self) -> None:
+        self._warned: set[float] = set()
+
+    def check(self, kind: Relation, eta: float) -> None:
+        if kind == "smaller" and eta > DEFAULT_ETA["smaller"] and eta not in self._warned:
+            self._warned.add(eta)
+            logger.warning("eta=%g with a drafter smaller than the target: above %g, rapid's answers followed the "
+                           "weaker drafter in our studies (docs/quality.md)", eta, DEFAULT_ETA["smaller"])

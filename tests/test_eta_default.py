@@ -1,0 +1,81 @@
+"""The default eta by how the drafter relates to the target, and where each output says which eta it used."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from rapidspec import Rapid
+from rapidspec.config import DecodeConfig
+from rapidspec.drafting.eta_default import (DEFAULT_ETA, EtaWarnings, drafter_relation, parameter_count, relation,
+                                            resolve_eta)
+from rapidspec.models import low_bit_copy
+from tests.conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def small_and_large(byte_tokenizer):
+    return make_tiny_model(2, byte_tokenizer, hidden_size=16), make_tiny_model(3, byte_tokenizer, hidden_size=64)
+
+
+def test_relation_by_parameter_count():
+    assert relation(1000, None) == "self"
+    assert relation(1000, 900) == relation(1000, 5000) == "larger"  # at least 90% of the target's size
+    assert relation(1000, 899) == "smaller"
+
+
+def test_drafter_relation_of_models(tiny_model, other_tiny_model, small_and_large):
+    small, large = small_and_large
+    assert parameter_count(small) < parameter_count(tiny_model) < parameter_count(large)
+    assert drafter_relation(tiny_model, None) == drafter_relation(tiny_model, tiny_model) == "self"
+    assert drafter_relation(tiny_model, low_bit_copy(tiny_model, "int8", name="self")) == "self"
+    assert drafter_relation(tiny_model, other_tiny_model) == "larger"  # the same size, other weights
+    assert drafter_relation(tiny_model, large) == "larger"
+    assert drafter_relation(tiny_model, small) == "smaller"
+
+
+def test_resolve_fills_the_default_and_keeps_a_given_eta(caplog):
+    rapid = DecodeConfig(mode="rapid")
+    for kind in ("self", "larger", "smaller"):
+        config, why = resolve_eta(rapid, kind)
+        assert config.eta == DEFAULT_ETA[kind] and why.startswith("default for")
+    config, why = resolve_eta(rapid.with_(eta=0.5), "smaller")
+    assert config.eta == 0.5 and why == "given"
+    assert resolve_eta(DecodeConfig(mode="lc"), "smaller") == (DecodeConfig(mode="lc"), None)
+    warnings = EtaWarnings()
+    with caplog.at_level(logging.WARNING, logger="rapidspec.drafting.eta_default"):
+        for _ in range(3):
+            resolve_eta(rapid.with_(eta=DEFAULT_ETA["smaller"] + 3), "smaller", warnings)
+        resolve_eta(rapid.with_(eta=DEFAULT_ETA["smaller"]), "smaller", warnings)  # the default itself: no warning
+        resolve_eta(rapid.with_(eta=50.0), "self", warnings)  # only a smaller drafter warns
+    assert len(caplog.records) == 1 and "smaller than the target" in caplog.records[0].getMessage()
+
+
+def test_generation_says_which_eta_and_why(tiny_model, small_and_large):
+    small, _ = small_and_large
+    engine = Rapid(tiny_model, small, drafter_backend="torch")
+    assert engine.drafter_relation == "smaller"
+    out = engine.generate("The cat sat on the mat. " * 20, "Where did the cat sit?", mode="rapid", max_new_tokens=4)
+    assert out.stats.eta == DEFAULT_ETA["smaller"]
+    assert out.stats.eta_source == "default for a drafter smaller than the target"
+    assert out.to_dict()["stats"]["eta_source"] == out.stats.eta_source
+    given = engine.generate("The cat sat on the mat. " * 20, "Where?", mode="rapid", eta=1.0, max_new_tokens=4)
+    assert given.stats.eta == 1.0 and given.stats.eta_source == "given"
+    plain = engine.generate("The cat sat on the mat. " * 20, "Where?", mode="lc", max_new_tokens=4)
+    assert plain.stats.eta == 0.0 and plain.stats.eta_source is None
+
+
+def test_eval_uses_the_default_of_its_drafter(tiny_model, small_and_large, tmp_path):
+    from rapidspec.evaluation.datasets import load_items
+    from rapidspec.evaluation.runner import run_eval
+    from tests.test_eval_datasets import write_leval
+    from tests.test_eval_runner import RETRIEVAL
+
+    items = load_items(write_leval(tmp_path / "quality.jsonl"))[:1]
+    result = run_eval(items, tiny_model, drafter=small_and_large[0], retrieval=RETRIEVAL, modes=("lc", "rapid"),
+                      max_new_tokens=3, progress=False)
+    rapid = [r for r in result.records if r["mode"] == "rapid"]
+    assert [r["eta"] for r in rapid] == [DEFAULT_ETA["smaller"]]
+    assert rapid[0]["config"]["drafter_relation"] == "smaller"
+    assert [r["mode"] for r in result.records] == ["lc", "rapid", "drafter"]
