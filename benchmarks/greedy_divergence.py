@@ -53,11 +53,11 @@ def run_dtype(args, dtype: str, items, modes) -> list[dict]:
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, ignore_eos=True)
     rows = []
     for item in track(items, description=f"{dtype}", console=Console(stderr=True), transient=True):
-        engine.template = item.template
-        reference = engine.generate(item.document, item.question, query=item.query, config=base.with_(mode="lc"))
+        reference = engine.generate(item.document, item.question, query=item.query, template=item.template,
+                                    config=base.with_(mode="lc"))
         for mode in modes:
             config = base.with_(mode=mode, eta=0.0 if mode == "rapid" else None)
-            out = engine.generate(item.document, item.question, query=item.query, config=config)
+            out = engine.generate(item.document, item.question, query=item.query, template=item.template, config=config)
             rows.append({
                 "dtype": dtype,
                 "item": item.id,

@@ -18,7 +18,7 @@ _EXPORTS = {
     "Rapid": "rapidspec.engine",
     "GenerationOutput": "rapidspec.outputs",
     "StreamChunk": "rapidspec.outputs",
-    "PrefixCache": "rapidspec.prefix_cache",
+    "PrefixCache": "rapidspec.runtime.prefix_cache",
     "DecodeConfig": "rapidspec.config",
     "GenerationStats": "rapidspec.stats",
     "PromptTemplate": "rapidspec.prompts",

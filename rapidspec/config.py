@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from rapidspec.drafting.backends import DRAFTER_BACKENDS
+from rapidspec.models.backend import DRAFTER_BACKENDS
 from rapidspec.drafting.eta_default import DEFAULT_ETA
 from rapidspec.drafting.modes import MODE_TABLE, MODES
 from rapidspec.drafting.streaming import DEFAULT_SINK_TOKENS, DEFAULT_STREAMING_TOKENS
@@ -54,7 +54,7 @@ class DecodeConfig:
       ``"cost"`` drafts ``gamma`` in the first round, then the k in
       [0, ``max_gamma``] (1 when eta > 0) with the most expected tokens per
       second from the step costs and acceptance measured so far; k = 0 is a
-      plain target step (:mod:`rapidspec.gamma_schedule`).
+      plain target step (:mod:`rapidspec.drafting.gamma_schedule`).
     * ``draft_confidence``: a round stops drafting after a token the drafter
       gave a probability below this (q at temperature 1 when greedy, else the
       filtered q it was sampled from); 0 = always draft ``gamma`` tokens. The
@@ -171,6 +171,10 @@ class DecodeConfig:
     def with_(self, **changes) -> "DecodeConfig":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+    def with_mode(self, mode: str, **changes) -> "DecodeConfig":
+        """A copy in ``mode``: its eta is kept where the mode takes one, else reset (eta applies to rapid only)."""
+        return replace(self, mode=mode, eta=self.eta if MODE_TABLE[mode].eta else None, **changes)
 
 
 def _check_count(name: str, value: object, minimum: int, maximum: int) -> None:

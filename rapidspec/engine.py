@@ -2,10 +2,9 @@
 
 :meth:`Rapid.decode` is the only decode loop of the project; ``stream`` (a
 document and a question), ``stream_chat`` (a conversation), the CLI, the
-server, evaluation and benchmarks all consume it. Prompts come from
-:mod:`rapidspec.prompts` and :mod:`rapidspec.conversation`; target caches are
-reused through :mod:`rapidspec.prefix_cache`; drafters come from
-:mod:`rapidspec.drafting` (the mode table says which). One round::
+server, evaluation and benchmarks all consume it. Prompts come from :mod:`rapidspec.prompts` and
+:mod:`rapidspec.conversation`; target caches are reused through :mod:`rapidspec.runtime.prefix_cache`;
+each generation's drafter comes from :mod:`rapidspec.drafting.factory` (the mode table says which). One round::
 
     1 prefill   target cache <- target prompt[:-1]; the drafter prefills its own prompt
     2 draft     the drafter proposes k tokens (k from the gamma schedule; 0 = a plain step)
@@ -23,33 +22,32 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from rapidspec import sampling
 from rapidspec.config import DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
-from rapidspec.drafting import MODE_TABLE, NO_PROPOSAL
-from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters, choose_backend, gguf_file
-from rapidspec.drafting.eta_default import EtaWarnings, drafter_relation, resolve_eta
-from rapidspec.drafting.lookup import LookupDrafter
+from rapidspec.drafting import NO_PROPOSAL
+from rapidspec.drafting.eta_default import EtaWarnings, resolve_eta
+from rapidspec.drafting.factory import DrafterFactory
+from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
 from rapidspec.errors import RapidspecError
-from rapidspec.gamma_schedule import GammaSchedule, new_schedule
-from rapidspec.logprobs import TokenLogprob, round_logprobs
+from rapidspec.logprobs import round_logprobs
+from rapidspec.models.vocabulary import eos_token_ids
 from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
-from rapidspec.prefix_cache import GIB, PrefixCache
 from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts, with_streaming_drafter
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
+from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB, GIB, PrefixCache
 from rapidspec.stats import GenerationStats, RoundRecord
 from rapidspec.text_stream import TextAssembler, cut_answer
-from rapidspec.vocabulary import check_same_vocabulary, eos_token_ids, logit_width
 
 logger = logging.getLogger(__name__)
 
 # Reuse a stored target cache only when it saves at least this many tokens.
 MIN_REUSED_PREFIX_TOKENS = 64
-DEFAULT_PREFIX_CACHE_GIB = 2.0
 
 
 def _sync(device: torch.device) -> None:
@@ -65,89 +63,59 @@ class Rapid:
     with the target's weights and a cache of its own (self-speculation); a
     loaded model or a model name drafts with that model, smaller or larger,
     on any device; its vocabulary must equal the target's.
-    ``drafter_backend``: ``auto`` (llama.cpp on CPU when the drafter has a
-    GGUF file and llama-cpp-python is installed, else torch), ``torch`` or
-    ``llama.cpp`` (:mod:`rapidspec.drafting.backends`); a request's
-    ``DecodeConfig.drafter_backend`` may pick another one (made on first
-    use). ``drafter_threads``: llama.cpp's threads (default: torch's).
+    ``drafter_backend``: ``auto``, ``torch`` or ``llama.cpp``
+    (:mod:`rapidspec.models.backend`); a request's ``DecodeConfig.drafter_backend``
+    may pick another one. ``drafter_threads``: llama.cpp's threads (default: torch's).
     ``reuse_document_cache``: keep target caches in the prefix cache, and each
     drafter backend's last cache, for later prompts sharing a prefix.
     """
 
-    def __init__(
-        self,
-        target,
-        drafter=None,
-        retrieval=None,
-        template: PromptTemplate | None = None,
-        prefill_chunk_tokens: int = 2048,
-        reuse_document_cache: bool = True,
-        prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB,
-        drafter_backend: str = "auto",
-        drafter_threads: int | None = None,
-    ) -> None:
+    def __init__(self, target, drafter=None, retrieval=None, template: PromptTemplate | None = None,
+                 prefill_chunk_tokens: int = 2048, reuse_document_cache: bool = True,
+                 prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB, drafter_backend: str = "auto",
+                 drafter_threads: int | None = None) -> None:
         from rapidspec.retrieval import RetrievalConfig, Retriever
 
         self.target = target
         self.tokenizer = target.tokenizer
-        if drafter is not None and not isinstance(drafter, str) and drafter is not target:
-            check_same_vocabulary(target.tokenizer, drafter.tokenizer)
-        self._drafter_source = drafter  # None, a loaded model, or a name (loaded on first torch use)
-        self.drafter_threads = torch.get_num_threads() if drafter_threads is None else drafter_threads
-        if self.drafter_threads < 1:
-            raise RapidspecError(f"drafter_threads must be >= 1, got {drafter_threads}")
         self.template = template or PromptTemplate()
         self.retriever = Retriever(retrieval or RetrievalConfig(), tokenizer=self.tokenizer)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reuse_document_cache = reuse_document_cache
         self.prefix_cache = PrefixCache(int(prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
         self.eos_token_ids = eos_token_ids(target)
-        self._pools: dict[str, object] = {}
-        self._relation: str | None = None
+        self.drafting = DrafterFactory(target, drafter, drafter_backend, drafter_threads, prefill_chunk_tokens,
+                                       keep=reuse_document_cache)
+        self.vocab_size = self.drafting.vocab_size
         self._eta_warnings = EtaWarnings()
-        self.drafter_backend = choose_backend(drafter_backend, target, drafter)
-        pool = self.drafters(self.drafter_backend)
-        # Logits beyond the smaller vocabulary (embedding padding) are never real tokens.
-        self.vocab_size = min(logit_width(target.model), pool.logit_width)
+
+    @classmethod
+    def from_spec(cls, spec, retrieval=None, reuse_document_cache: bool = True) -> "Rapid":
+        """An engine over the models of ``spec`` (a :class:`~rapidspec.models.spec.ModelSpec`), loaded now."""
+        target, drafter = spec.load()
+        return cls(target, drafter, retrieval=retrieval, reuse_document_cache=reuse_document_cache,
+                   prefix_cache_gib=spec.prefix_cache_gib, drafter_backend=spec.drafter_backend,
+                   drafter_threads=spec.drafter_threads)
 
     @property
     def drafter(self):
         """The torch drafter model (the target for self-speculation), loaded on first use when given by name."""
-        if isinstance(self._drafter_source, str):
-            from rapidspec.models import load_model
-
-            self._drafter_source = load_model(self._drafter_source, dtype=self.target.dtype, device=self.target.device)
-            check_same_vocabulary(self.target.tokenizer, self._drafter_source.tokenizer)
-        return self.target if self._drafter_source is None else self._drafter_source
+        return self.drafting.model
 
     @property
-    def drafter_relation(self) -> str:
-        """``self``, ``larger`` or ``smaller``: what decides the default eta (:mod:`rapidspec.drafting.eta_default`)."""
-        if self._relation is None:
-            self._relation = drafter_relation(self.target, self._drafter_source)
-        return self._relation
+    def drafter_backend(self) -> str:
+        """What drafts by default: ``torch`` or ``llama.cpp`` (``auto`` resolved once)."""
+        return self.drafting.backend
 
     @property
     def drafter_label(self) -> str:
         """What drafts by default, e.g. ``self (llama.cpp, llama 256M Q4_1)``."""
-        return self.drafters(self.drafter_backend).label
+        return self.drafting.label
 
-    def drafters(self, backend: str):
-        """The drafter pool of ``backend`` (``auto``: this engine's default), made on first use."""
-        if backend == "auto":
-            backend = self.drafter_backend
-        if backend not in self._pools:  # checked once, when the pool is made (not on every request)
-            backend = choose_backend(backend, self.target, self._drafter_source)
-            source = self._drafter_source
-            name = "self" if source is None else getattr(source, "label", str(source))
-            if backend == "llama.cpp":
-                gguf = gguf_file(self.target if source is None else source)
-                self._pools[backend] = LlamaCppDrafters(gguf, self.drafter_threads, self.tokenizer, name,
-                                                        keep=self.reuse_document_cache)
-            else:
-                self._pools[backend] = TorchDrafters(self.drafter, self.prefill_chunk_tokens, name,
-                                                     keep=self.reuse_document_cache)
-        return self._pools[backend]
+    @property
+    def drafter_relation(self) -> str:
+        """``self``, ``larger`` or ``smaller``: what decides the default eta (:mod:`rapidspec.drafting.eta_default`)."""
+        return self.drafting.relation
 
     # ------------------------------------------------------------------ API
     def generate(self, document: str, question: str, **options) -> GenerationOutput:
@@ -158,71 +126,53 @@ class Rapid:
         """Answer the last user message of a conversation; same options as :meth:`stream_chat`."""
         return last_output(self.stream_chat(messages, **options))
 
-    def stream(
-        self,
-        document: str,
-        question: str,
-        *,
-        query: str | None = None,
-        corpus: str | None = None,
-        config: DecodeConfig | None = None,
-        generator: torch.Generator | None = None,
-        profile: bool = False,
-        observer=None,
-        prefill_progress=None,
-        **options,
-    ) -> Iterator[StreamChunk]:
+    def stream(self, document: str, question: str, *, query: str | None = None, corpus: str | None = None,
+               retriever=None, template: PromptTemplate | None = None, config: DecodeConfig | None = None,
+               generator: torch.Generator | None = None, profile: bool = False, observer=None, prefill_progress=None,
+               **options) -> Iterator[StreamChunk]:
         """Yield the answer to ``question`` about ``document`` as it is generated.
 
         ``options`` are :class:`DecodeConfig` fields (``mode``, ``eta``, ...) or
         pass a ready ``config``; ``query`` is what retrieval searches for
         (default: the question); ``corpus`` what it searches in (default: the
         document; another text gives the drafter unrelated chunks on purpose);
+        ``retriever`` and ``template`` replace the engine's for this call;
         the rest as in :meth:`decode`.
         """
         config = DecodeConfig.from_options(config, options)
-        prompts = self.document_prompts(document, question, config, query=query, corpus=corpus)
+        prompts = self.document_prompts(document, question, config, query=query, corpus=corpus, retriever=retriever,
+                                        template=template)
         yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer,
                                prefill_progress=prefill_progress)
 
-    def stream_chat(
-        self,
-        messages,
-        *,
-        documents=None,
-        query: str | None = None,
-        recent_messages: int = DEFAULT_RECENT_MESSAGES,
-        config: DecodeConfig | None = None,
-        generator: torch.Generator | None = None,
-        profile: bool = False,
-        observer=None,
-        prefill_progress=None,
-        **options,
-    ) -> Iterator[StreamChunk]:
+    def stream_chat(self, messages, *, documents=None, query: str | None = None,
+                    recent_messages: int = DEFAULT_RECENT_MESSAGES, retriever=None, config: DecodeConfig | None = None,
+                    generator: torch.Generator | None = None, profile: bool = False, observer=None,
+                    prefill_progress=None, **options) -> Iterator[StreamChunk]:
         """Yield the answer to the last user message of ``messages`` (OpenAI-style dicts).
 
         ``documents``: texts or ``{"title", "text"}``; without them the earlier
-        turns are the drafter's corpus (:mod:`rapidspec.conversation`).
+        turns are the drafter's corpus (:mod:`rapidspec.conversation`);
+        ``retriever`` replaces the engine's for this call.
         """
         config = DecodeConfig.from_options(config, options)
-        prompts = self.chat_prompts(messages, config, documents=documents, query=query, recent_messages=recent_messages)
+        prompts = self.chat_prompts(messages, config, documents=documents, query=query, recent_messages=recent_messages,
+                                    retriever=retriever)
         yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer,
                                prefill_progress=prefill_progress)
 
-    def document_prompts(
-        self, document: str, question: str, config: DecodeConfig, query: str | None = None, corpus: str | None = None
-    ) -> PromptPair:
-        """The target's and drafter's prompts of a (document, question) pair (``corpus``: see :meth:`stream`)."""
+    def document_prompts(self, document: str, question: str, config: DecodeConfig, query: str | None = None,
+                         corpus: str | None = None, retriever=None,
+                         template: PromptTemplate | None = None) -> PromptPair:
+        """The target's and drafter's prompts of a (document, question) pair (the options as in :meth:`stream`)."""
         target_window, drafter_window = self._windows(config)
         return document_prompts(
-            self.tokenizer, self.template, self.retriever, document, question, config, target_window, drafter_window,
-            query=query, corpus=corpus,
+            self.tokenizer, template or self.template, retriever or self.retriever, document, question, config,
+            target_window, drafter_window, query=query, corpus=corpus,
         )
 
-    def chat_prompts(
-        self, messages, config: DecodeConfig, *, documents=None, query: str | None = None,
-        recent_messages: int = DEFAULT_RECENT_MESSAGES, raw: bool = False, retriever=None,
-    ) -> PromptPair:
+    def chat_prompts(self, messages, config: DecodeConfig, *, documents=None, query: str | None = None,
+                     recent_messages: int = DEFAULT_RECENT_MESSAGES, raw: bool = False, retriever=None) -> PromptPair:
         """The prompts of a conversation; ``raw`` skips the chat template, ``retriever`` replaces the engine's."""
         target_window, drafter_window = self._windows(config)
         pair = chat_prompts(
@@ -232,25 +182,17 @@ class Rapid:
         )
         return with_streaming_drafter(pair, config, drafter_window)
 
-    def decode(
-        self,
-        prompts: PromptPair,
-        config: DecodeConfig,
-        *,
-        generator: torch.Generator | None = None,
-        profile: bool = False,
-        observer=None,
-        schedule: GammaSchedule | None = None,
-        should_stop: Callable[[], bool] | None = None,
-        prefill_progress: Callable[[int, int], None] | None = None,
-        yield_prefill_chunks: bool = False,
-    ) -> Iterator[StreamChunk]:
+    def decode(self, prompts: PromptPair, config: DecodeConfig, *, generator: torch.Generator | None = None,
+               profile: bool = False, observer=None, schedule: GammaSchedule | None = None,
+               should_stop: Callable[[], bool] | None = None,
+               prefill_progress: Callable[[int, int], None] | None = None,
+               yield_prefill_chunks: bool = False) -> Iterator[StreamChunk]:
         """Prefill and decode ``prompts`` (from :meth:`document_prompts` or :meth:`chat_prompts`).
 
         ``generator`` overrides the seeded one for sampling; ``profile`` syncs the device around each phase
         (exact times on GPUs); ``observer(target_cache, target_seq, drafter_cache, drafter_seq)`` is called
         after every round's rollback (read only; the drafter's cache is None for ``lookup``); ``schedule``
-        replaces the config's gamma schedule (:mod:`rapidspec.gamma_schedule`). Closing the iterator stops
+        replaces the config's gamma schedule (:mod:`rapidspec.drafting.gamma_schedule`). Closing the iterator stops
         after the current round; ``should_stop()`` is asked between the target's prefill chunks, and a yes
         ends the prefill with :class:`~rapidspec.runtime.errors.PrefillStopped` (a cancelled request);
         ``prefill_progress(done, total)`` hears of each target prefill chunk (a progress bar);
@@ -289,7 +231,7 @@ class Rapid:
             _sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
             started = time.perf_counter()
-            drafter = self._start_drafter(prompts, config, stats)
+            drafter = self.drafting.start(prompts, config, stats, target_device)
             if drafter is not None and drafter.cache is not None:
                 _sync(drafter.device)
             stats.drafter_prefill_seconds = time.perf_counter() - started
@@ -298,10 +240,12 @@ class Rapid:
             # (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
             try:
-                yield from self._decode(
-                    config, stats, generator, target_cache, target_seq, drafter, prompts, profile, observer,
-                    schedule or new_schedule(config), out_of_time,
-                )
+                vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits, same tokens
+                sync = profile or config.gamma_schedule == "cost"  # the cost schedule needs exact step times
+                run = _Generation(config, sampling.SamplingParams.of(config), stats, generator, target_cache,
+                                  target_seq, drafter, schedule or new_schedule(config),
+                                  frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time)
+                yield from self._decode(run, prompts, observer)
                 consistent = True
             except GeneratorExit:
                 consistent = True
@@ -315,12 +259,11 @@ class Rapid:
     def clear_document_cache(self) -> None:
         """Forget every stored target cache and the drafters' kept caches (the next prefills start from scratch)."""
         self.prefix_cache.clear()
-        self.clear_drafter_caches()
+        self.drafting.clear()
 
     def clear_drafter_caches(self) -> None:
         """Forget the drafter caches the backends keep (the next drafter prefill starts from scratch)."""
-        for pool in self._pools.values():
-            pool.clear()
+        self.drafting.clear()
 
     # ------------------------------------------------------------ internals
     def _windows(self, config: DecodeConfig) -> tuple[int, int]:
@@ -330,10 +273,8 @@ class Rapid:
         if target_window < 16:
             raise RapidspecError(f"max_new_tokens={config.max_new_tokens} leaves no room for the prompt in the "
                                  f"{window}-token window", param="max_tokens", code="context_length_exceeded")
-        drafter_context = window
-        if MODE_TABLE[config.mode].drafter_kind == "model":
-            drafter_context = self.drafters(config.drafter_backend).max_context or window
-            drafter_context = min(drafter_context, config.max_model_len or drafter_context)
+        drafter_context = self.drafting.max_context(config) or window
+        drafter_context = min(drafter_context, config.max_model_len or drafter_context)
         return target_window, max(16, drafter_context - config.max_new_tokens)
 
     def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, room: int, should_stop,
@@ -351,92 +292,108 @@ class Rapid:
                 yield tick
         return cache
 
-    def _start_drafter(self, prompts: PromptPair, config: DecodeConfig, stats: GenerationStats):
-        """The drafter of this generation, prefilled on its prompt (None for modes without one)."""
-        kind = MODE_TABLE[config.mode].drafter_kind
-        if kind is None or prompts.drafter_ids is None:
-            return None
-        device = self.target.model.device
-        if kind == "lookup":
-            stats.drafter = "lookup"
-            return LookupDrafter(list(prompts.drafter_ids), self.vocab_size, device)
-        pool = self.drafters(config.drafter_backend)
-        stats.drafter = pool.label
-        room = config.max_new_tokens + config.max_gamma + 2
-        vocab = min(logit_width(self.target.model), pool.logit_width)
-        drafter, stats.drafter_prefill_reused_tokens = pool.start(prompts.drafter_ids, room, vocab, device)
-        return drafter
-
-    def _decode(self, config, stats, generator, target_cache, target_seq, drafter, prompts, profile, observer, schedule,
-                out_of_time):
-        prompt_length = len(target_seq)
+    def _decode(self, run: _Generation, prompts: PromptPair, observer) -> Iterator[StreamChunk]:
+        """Steps 2-5 until the answer ends, then the final chunk with the output."""
+        config, stats, drafter, cache, seq = run.config, run.stats, run.drafter, run.target_cache, run.target_seq
+        prompt_length = len(seq)
         assembler = TextAssembler(self.tokenizer, config.stop)
-        sync = profile or config.gamma_schedule == "cost"  # the cost schedule needs exact step times
-        stop_tokens = frozenset() if config.ignore_eos else self.eos_token_ids
-        vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits over the same tokens
-        rules = {"eta": config.effective_eta, "alpha": config.draft_gate, "temperature": config.temperature,
-                 "top_k": config.top_k, "top_p": config.top_p, "residual": config.residual, "generator": generator}
-        all_logprobs: list[TokenLogprob] = []
         started = time.perf_counter()
         while True:
-            remaining = config.max_new_tokens - (len(target_seq) - prompt_length)
+            remaining = config.max_new_tokens - (len(seq) - prompt_length)
             # 2 draft
             t0 = time.perf_counter()
-            k = 0 if drafter is None else min(schedule.next_drafts(), remaining - 1)
-            proposal = NO_PROPOSAL if drafter is None else drafter.propose(k, config, generator, stop_tokens)
-            if sync and drafter is not None and drafter.cache is not None:
-                _sync(drafter.device)
+            k = 0 if drafter is None else min(run.schedule.next_drafts(), remaining - 1)
+            proposal = NO_PROPOSAL if drafter is None else drafter.propose(k, config, run.generator, run.stop_tokens)
+            run.wait_for_drafter()
             # 3 verify: one target forward over [pending, x_1..x_k]
             t1 = time.perf_counter()
-            fed = target_seq[target_cache.length :] + proposal.tokens
-            target_logits = target_cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, :vocab]
-            if sync:
-                _sync(target_cache.device)
-            # 4 accept
+            fed = seq[cache.length :] + proposal.tokens
+            target_logits = cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, : run.vocab]
+            if run.sync:
+                _sync(cache.device)
+            # 4 accept; with eta > 0 and every draft accepted, p^ at k + 1 needs the drafter's row there
             t2 = time.perf_counter()
-            bonus_rows: list = []  # the drafter's row at position k + 1 when verify asked for it
-            bonus_row = None if drafter is None else (
-                lambda: bonus_rows.append(drafter.bonus_row(config, stop_tokens, sync)) or bonus_rows[0])
-            verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, bonus_row=bonus_row, **rules)
-            emitted = proposal.tokens[: verdict.accepted] + [verdict.next_token]
+            verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, run.params, run.generator)
+            bonus_row, asked = None, verdict.next_token is None
+            if asked:
+                bonus_row = drafter.bonus_row(config, run.stop_tokens, run.sync)
+                next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, run.params, run.generator)
+                verdict = sampling.Verdict(verdict.accepted, next_token)
             if drafter is not None:
-                if sync:
-                    _sync(target_cache.device)
-                bonus = drafter.bonus_seconds if verdict.used_bonus_row else 0.0
-                measured = RoundRecord(len(proposal.tokens), verdict.accepted, t1 - t0 + bonus,
-                                       proposal.forwards + int(verdict.used_bonus_row), t2 - t1,
-                                       time.perf_counter() - t2 - bonus, len(fed))
-                stats.add_round(measured)
-                schedule.record(measured)
+                run.record_round(len(proposal.tokens), verdict.accepted, proposal.forwards, asked, (t0, t1, t2),
+                                 len(fed))
             # 5 commit: stop at EOS, a stop string and max_new_tokens, then roll back the caches
-            emitted, finished = cut_answer(emitted, remaining, stop_tokens)
+            emitted, finished = cut_answer(proposal.tokens[: verdict.accepted] + [verdict.next_token], remaining,
+                                           run.stop_tokens)
             text, stopped = assembler.add(emitted)
             if stopped:
                 emitted, finished = emitted[: assembler.kept], "stop"  # no tokens after the stop string
-            elif not finished and out_of_time():
+            elif not finished and run.out_of_time():
                 finished = "time"
             if finished and not stopped:
                 text += assembler.flush()
-            logprobs = () if config.logprobs is None or not emitted else round_logprobs(
-                target_logits, proposal.rows, bonus_rows[0] if bonus_rows else None, emitted, config, vocab)
-            all_logprobs.extend(logprobs)
-            target_seq.extend(emitted)
-            target_cache.crop(min(target_cache.length, len(target_seq) - 1))
+            logprobs = run.logprobs_of(target_logits, proposal.rows, bonus_row, emitted)
+            seq.extend(emitted)
+            cache.crop(min(cache.length, len(seq) - 1))
             if drafter is not None:
                 drafter.commit(emitted)
             if observer is not None:
-                observer(target_cache, target_seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
+                observer(cache, seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
             if text or emitted:
                 yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs)
             if finished:
                 break
-        _sync(target_cache.device)
+        _sync(cache.device)
         stats.decode_seconds = time.perf_counter() - started
-        stats.new_tokens = len(target_seq) - prompt_length
+        stats.new_tokens = len(seq) - prompt_length
         stats.stop_reason = finished
-        generated = tuple(target_seq[prompt_length:])
+        generated = tuple(seq[prompt_length:])
         if drafter is not None:
             assert tuple(drafter.sequence[len(prompts.drafter_ids) :]) == generated
         output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
-                                  None if config.logprobs is None else tuple(all_logprobs))
+                                  None if config.logprobs is None else tuple(run.logprobs))
         yield StreamChunk(text="", token_ids=(), output=output)
+
+
+@dataclass
+class _Generation:
+    """What the rounds of one generation share: its settings, caches, drafter, schedule and what it gathers."""
+
+    config: DecodeConfig
+    params: sampling.SamplingParams
+    stats: GenerationStats
+    generator: torch.Generator
+    target_cache: object
+    target_seq: list[int]
+    drafter: object | None
+    schedule: GammaSchedule
+    stop_tokens: frozenset[int]
+    sync: bool  # wait for the devices around each step (profiling; the cost schedule needs exact times)
+    vocab: int
+    out_of_time: Callable[[], bool]
+    logprobs: list = field(default_factory=list)
+
+    def wait_for_drafter(self) -> None:
+        if self.sync and self.drafter is not None and self.drafter.cache is not None:
+            _sync(self.drafter.device)
+
+    def record_round(self, drafted: int, accepted: int, forwards: int, asked_bonus: bool, times: tuple,
+                     fed: int) -> None:
+        """Count a round in the statistics and the gamma schedule (the bonus row's time is drafting time)."""
+        t0, t1, t2 = times
+        if self.sync:
+            _sync(self.target_cache.device)
+        bonus = self.drafter.bonus_seconds if asked_bonus else 0.0
+        measured = RoundRecord(drafted, accepted, t1 - t0 + bonus, forwards + int(asked_bonus), t2 - t1,
+                               time.perf_counter() - t2 - bonus, fed)
+        self.stats.add_round(measured)
+        self.schedule.record(measured)
+
+    def logprobs_of(self, target_logits, draft_rows, bonus_row, emitted: list[int]) -> tuple:
+        """The log-probabilities of a round's emitted tokens when the config asks for them, kept for the output."""
+        if self.config.logprobs is None or not emitted:
+            return ()
+        out = round_logprobs(target_logits, draft_rows, bonus_row, emitted, self.params, self.config.logprobs,
+                             self.vocab)
+        self.logprobs.extend(out)
+        return out

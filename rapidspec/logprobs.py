@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rapidspec.sampling import augmented_logits, filter_logits
+from rapidspec.sampling import SamplingParams, augmented_rows
 
 #: The log-probability reported for an impossible token (as vLLM does).
 FLOOR = -9999.0
@@ -30,33 +30,14 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def output_logprobs(
-    target_logits: torch.Tensor,
-    draft_rows: torch.Tensor | None,
-    *,
-    eta: float,
-    alpha: float,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-) -> torch.Tensor:
-    """log p (eta = 0) or log p^ per position: [n, V] -> [n, V].
+def output_logprobs(target_logits: torch.Tensor, draft_rows: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
+    """log p (eta = 0) or log p^ per position: [n, V] -> [n, V] (:func:`rapidspec.sampling.augmented_rows`).
 
     ``draft_rows`` ([r, V], r <= n) are the drafter's rows as
     :func:`rapidspec.sampling.verify` takes them (raw logits when greedy, q
     when sampling); positions past r, or all when None, use p.
     """
-    if temperature == 0.0:
-        scaled = target_logits.float()  # [n, V]
-        draft_probs = None if draft_rows is None else draft_rows.float().softmax(-1)  # [r, V]
-    else:
-        scaled = filter_logits(target_logits.float() / temperature, top_k, top_p)  # [n, V]
-        draft_probs = draft_rows  # [r, V]
-    logits = scaled.clone()
-    if eta > 0 and draft_probs is not None and draft_probs.shape[0] > 0:
-        rows = min(draft_probs.shape[0], scaled.shape[0])
-        logits[:rows] = augmented_logits(scaled[:rows], scaled[:rows].softmax(-1), draft_probs[:rows].float(), eta, alpha)
-    return logits.log_softmax(-1)
+    return augmented_rows(target_logits, draft_rows, params).log_softmax(-1)
 
 
 def token_logprobs(logprob_rows: torch.Tensor, token_ids: list[int], top: int) -> tuple[TokenLogprob, ...]:
@@ -73,8 +54,9 @@ def token_logprobs(logprob_rows: torch.Tensor, token_ids: list[int], top: int) -
     return tuple(TokenLogprob(token, value, tuple(best)) for token, value, best in zip(token_ids, chosen, tops))
 
 
-def round_logprobs(target_logits, draft_rows, bonus_row, token_ids: list[int], config, vocab: int) -> tuple[TokenLogprob, ...]:
-    """The log-probabilities of one round's emitted tokens (``config``: a DecodeConfig with ``logprobs`` set).
+def round_logprobs(target_logits, draft_rows, bonus_row, token_ids: list[int], params: SamplingParams, top: int,
+                   vocab: int) -> tuple[TokenLogprob, ...]:
+    """The log-probabilities of one round's emitted tokens, each with its ``top`` most likely alternatives.
 
     ``target_logits`` [k + 1, V] and ``draft_rows`` [r, V] as verified; ``bonus_row`` [V] (or None) is
     the drafter's row at position k + 1 when verification asked for it.
@@ -82,7 +64,4 @@ def round_logprobs(target_logits, draft_rows, bonus_row, token_ids: list[int], c
     rows = draft_rows
     if rows is not None and bonus_row is not None and rows.shape[0] == target_logits.shape[0] - 1:
         rows = torch.cat([rows, bonus_row[None, :vocab].to(rows.dtype)])  # [k + 1, V]
-    logprob_rows = output_logprobs(target_logits[: len(token_ids)], rows, eta=config.effective_eta,
-                                   alpha=config.draft_gate, temperature=config.temperature,
-                                   top_k=config.top_k, top_p=config.top_p)
-    return token_logprobs(logprob_rows, token_ids, config.logprobs)
+    return token_logprobs(output_logprobs(target_logits[: len(token_ids)], rows, params), token_ids, top)

@@ -25,7 +25,6 @@ Shapes: ``[k, V]`` is k positions of one sequence (batch size 1).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -197,32 +196,72 @@ def output_distribution_paper(
 
 
 @dataclass(frozen=True)
+class SamplingParams:
+    """How one verification turns logits into tokens: the knobs of section 1 (see the module docstring).
+
+    ``eta``: the shift toward the drafter (0 = plain speculative decoding);
+    ``alpha``: the draft gate; ``temperature`` (0 = greedy), ``top_k``,
+    ``top_p``: the filters, applied after the temperature; ``residual``:
+    what a rejection resamples from.
+    """
+
+    eta: float = 0.0
+    alpha: float = 0.1
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    residual: Residual = "exact"
+
+    @classmethod
+    def of(cls, config) -> "SamplingParams":
+        """The knobs of a :class:`~rapidspec.config.DecodeConfig` (its effective eta)."""
+        return cls(config.effective_eta, config.draft_gate, config.temperature, config.top_k, config.top_p,
+                   config.residual)
+
+
+def augmented_rows(target_logits: torch.Tensor, draft_rows: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
+    """The logits of the distribution each position's token follows: p^ where a drafter row exists, else p.
+
+    ``target_logits``: [n, V]; ``draft_rows``: [r, V] (r <= n) as :func:`verify`
+    takes them (raw drafter logits when greedy, q when sampling) or None.
+    Greedy: z + eta * g with p and q at temperature 1; sampling: the filtered
+    z / T + eta * g. Returns [n, V]. The one place p^ is formed for
+    log-probabilities and the bonus token.
+    """
+    if params.temperature == 0.0:
+        scaled = target_logits.float()  # [n, V]
+        draft_probs = None if draft_rows is None else draft_rows.float().softmax(-1)  # [r, V]
+    else:
+        scaled = filter_logits(target_logits.float() / params.temperature, params.top_k, params.top_p)  # [n, V]
+        draft_probs = None if draft_rows is None else draft_rows.float()  # [r, V]
+    if params.eta == 0.0 or draft_probs is None or draft_probs.shape[0] == 0:
+        return scaled
+    rows = min(draft_probs.shape[0], scaled.shape[0])
+    out = scaled.clone()
+    out[:rows] = augmented_logits(scaled[:rows], scaled[:rows].softmax(-1), draft_probs[:rows], params.eta, params.alpha)
+    return out
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What verification decided: ``accepted`` leading drafts are kept, then ``next_token`` is emitted.
 
     ``next_token`` is the *recovered* token when ``accepted < k`` and the
-    *bonus* token when ``accepted == k``; ``used_bonus_row`` says whether the
-    drafter's row at the bonus position was asked for.
+    *bonus* token when ``accepted == k``. It is None when every draft was
+    accepted with eta > 0: p^ at position k + 1 needs the drafter's row there,
+    so the caller asks the drafter for it and calls :func:`bonus_token`.
     """
 
     accepted: int
-    next_token: int
-    used_bonus_row: bool = False
+    next_token: int | None
 
 
 def verify(
     target_logits: torch.Tensor,
     drafts: list[int],
     draft_rows: torch.Tensor | None,
-    *,
-    eta: float,
-    alpha: float,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    residual: Residual = "exact",
+    params: SamplingParams,
     generator: torch.Generator | None = None,
-    bonus_row: Callable[[], torch.Tensor | None] | None = None,
 ) -> Verdict:
     """Verify k drafted tokens against the target's logits: the step 4 of every round.
 
@@ -230,11 +269,9 @@ def verify(
     (row 0: after the committed tokens). ``drafts``: the k drafted tokens
     (k = 0 is a plain decoding step). ``draft_rows``: [r, V] on the same
     device, the drafter's rows at the drafted positions: when sampling, q
-    (the filtered drafter logits at ``temperature``, normalised; r = k); when
+    (the filtered drafter logits at the temperature, normalised; r = k); when
     greedy, the raw drafter logits, needed only when eta > 0 (r <= k; rows
-    past r take the plain target choice), else None. ``bonus_row()`` returns
-    the drafter's row at position k + 1 (same kind), or None; it is called
-    only when eta > 0 and every draft was accepted, since p^ there needs q.
+    past r take the plain target choice), else None.
 
     Definitions (the engine emits ``drafts[:accepted] + [next_token]``):
 
@@ -245,7 +282,9 @@ def verify(
       first mismatch; sampling, a draw from the residual
       (:func:`residual_probs`) at the first rejection.
     * **bonus** token (accepted = k): the target's choice (greedy) or a draw
-      from p^ at position k + 1, with the bonus row when there is one.
+      from p at position k + 1 when eta = 0; with eta > 0 it needs the
+      drafter's row there, so ``next_token`` is None and :func:`bonus_token`
+      decides it.
 
     With eta = 0 every emitted token follows p (greedy: equals plain decoding).
     Example (greedy, eta = 0): drafts [5, 7, 9], argmax rows [5, 7, 2, 4] ->
@@ -255,22 +294,18 @@ def verify(
     k = len(drafts)
     device = target_logits.device
     draft_tensor = torch.tensor(drafts, dtype=torch.long, device=device)  # [k]
-    if temperature == 0.0:
-        choices = greedy_target_choices(target_logits, draft_rows, eta, alpha)  # [k+1]
+    if params.temperature == 0.0:
+        choices = greedy_target_choices(target_logits, draft_rows, params.eta, params.alpha)  # [k+1]
         accepted = greedy_accepted_length(draft_tensor, choices)
-        used_bonus = False
-        if accepted == k and eta > 0 and bonus_row is not None:
-            row = bonus_row()  # [V] or None
-            used_bonus = True
-            if row is not None:
-                choices[k:] = greedy_target_choices(target_logits[k:], row[None], eta, alpha)
-        return Verdict(accepted, int(choices[accepted]), used_bonus)
+        if accepted == k and params.eta > 0:
+            return Verdict(accepted, None)
+        return Verdict(accepted, int(choices[accepted]))
 
-    scaled = filter_logits(target_logits / temperature, top_k, top_p)  # [k+1, V] temperature first, as HF does
+    scaled = filter_logits(target_logits / params.temperature, params.top_k, params.top_p)  # [k+1, V] temperature first
     target_probs = scaled.softmax(-1)  # [k+1, V]
     augmented_probs = target_probs.clone()  # [k+1, V]
-    if eta > 0 and draft_rows is not None and k > 0:
-        augmented_probs[:k] = augmented_logits(scaled[:k], target_probs[:k], draft_rows, eta, alpha).softmax(-1)
+    if params.eta > 0 and draft_rows is not None and k > 0:
+        augmented_probs[:k] = augmented_logits(scaled[:k], target_probs[:k], draft_rows, params.eta, params.alpha).softmax(-1)
     if k > 0:
         uniforms = torch.rand(k, generator=generator, device=device)  # [k]
         accepted = accepted_prefix_length(acceptance_mask(draft_tensor, draft_rows, augmented_probs, uniforms))
@@ -278,12 +313,23 @@ def verify(
         accepted = 0
     at = slice(accepted, accepted + 1)
     if accepted < k:
-        recovery = residual_probs(target_probs[at], draft_rows[at], augmented_probs[at], residual)  # [1, V]
+        recovery = residual_probs(target_probs[at], draft_rows[at], augmented_probs[at], params.residual)  # [1, V]
         return Verdict(accepted, int(sample(recovery, generator)[0]))
-    used_bonus = False
-    if eta > 0 and bonus_row is not None:
-        row = bonus_row()  # [V] q at position k + 1, or None
-        used_bonus = True
-        if row is not None:
-            augmented_probs[at] = augmented_logits(scaled[at], target_probs[at], row[None], eta, alpha).softmax(-1)
-    return Verdict(accepted, int(sample(augmented_probs[at], generator)[0]), used_bonus)
+    if params.eta > 0:
+        return Verdict(accepted, None)
+    return Verdict(accepted, int(sample(augmented_probs[at], generator)[0]))
+
+
+def bonus_token(target_logits: torch.Tensor, position: int, row: torch.Tensor | None, params: SamplingParams,
+                generator: torch.Generator | None = None) -> int:
+    """The bonus token at ``position`` (= k, every draft accepted) from p^ with the drafter's ``row`` there.
+
+    ``target_logits``: [k + 1, V]; ``row``: [V] of the kind :func:`verify`
+    takes, or None (no drafter row: after a stopping draft), which leaves p.
+    Greedy: argmax(z + eta * g); sampling: a draw from p^.
+    """
+    at = target_logits[position : position + 1]  # [1, V]
+    logits = augmented_rows(at, None if row is None else row[None], params)  # [1, V]
+    if params.temperature == 0.0:
+        return int(logits.argmax(-1)[0])
+    return int(sample(logits.softmax(-1), generator)[0])

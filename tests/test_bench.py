@@ -10,7 +10,7 @@ from rapidspec.cli import main
 from rapidspec.config import DecodeConfig
 from rapidspec.engine import Rapid
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation import speed
+from rapidspec.bench import speed
 from rapidspec.retrieval import RetrievalConfig
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)
@@ -85,7 +85,7 @@ def test_sweep_runs_rapid_per_value(tiny_model):
 
 
 def test_plot_writes_png(report, tmp_path):
-    from rapidspec.evaluation.plot import plot_report
+    from rapidspec.bench.plot import plot_report
 
     path = plot_report(report, tmp_path / "sub" / "bench.png")
     assert path.read_bytes()[:4] == b"\x89PNG"

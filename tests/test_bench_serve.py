@@ -13,10 +13,10 @@ import pytest
 from rapidspec import Rapid
 from rapidspec.cli import join_two_word_command, main
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.serve_bench import LoadConfig, arrival_times, counter_deltas, normalize_base_url
-from rapidspec.evaluation.serve_client import send_request
-from rapidspec.evaluation.serve_dataset import BUILTIN_QUESTIONS, BenchRequest, builtin_requests, file_requests
-from rapidspec.evaluation.serve_stats import RequestResult, distribution, percentile, summarize
+from rapidspec.bench.serve.load import LoadConfig, arrival_times, counter_deltas, normalize_base_url
+from rapidspec.bench.serve.client import send_request
+from rapidspec.bench.serve.dataset import BUILTIN_QUESTIONS, BenchRequest, builtin_requests, file_requests
+from rapidspec.bench.serve.stats import RequestResult, distribution, percentile, summarize
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import SlowEngine, free_port, running_server
 
@@ -272,7 +272,7 @@ def test_a_server_started_here_is_stopped(tiny_model_dir, capsys):
 
 
 def test_sessions_report_prefix_reuse_per_session():
-    from rapidspec.evaluation.serve_stats import RequestResult, summarize
+    from rapidspec.bench.serve.stats import RequestResult, summarize
 
     def done(index, session, prompt, cached):
         return RequestResult(index, outcome="completed", session=session, prompt_tokens=prompt, cached_tokens=cached,

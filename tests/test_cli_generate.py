@@ -87,10 +87,10 @@ def test_demo_end_to_end(capsys):
     ],
 )
 def test_self_drafter_follows_drafter_quantize(monkeypatch, tiny_model, target_quantize, drafter_quantize, expected):
-    import argparse
     from dataclasses import replace
 
     import rapidspec.models as models
+    from rapidspec.cli import build_parser
     from rapidspec.cli.options import load_models
 
     loads = []
@@ -100,9 +100,9 @@ def test_self_drafter_follows_drafter_quantize(monkeypatch, tiny_model, target_q
         return replace(tiny_model, quantization=quantize)
 
     monkeypatch.setattr(models, "load_model", fake_load)
-    args = argparse.Namespace(target="builtin", drafter=None, dtype="auto", device="auto", drafter_device=None,
-                              quantize=target_quantize, drafter_quantize=drafter_quantize)
-    target, drafter = load_models(args)
+    args = build_parser().parse_args(["generate", "--document", "-", "--question", "q", "--quantize", target_quantize,
+                                      "--drafter-quantize", drafter_quantize])
+    target, drafter = load_models(args)  # the options' ModelSpec, loaded
     assert target.quantization == target_quantize
     if expected is None:
         assert drafter is None and loads == [target_quantize]

@@ -7,7 +7,7 @@ import torch
 
 from rapidspec import DecodeConfig, Rapid
 from rapidspec.errors import RapidspecError
-from rapidspec.gamma_schedule import PROBE_DRAFTS, PROBE_EVERY, CostSchedule, StepCosts
+from rapidspec.drafting.gamma_schedule import PROBE_DRAFTS, PROBE_EVERY, CostSchedule, StepCosts
 from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
 

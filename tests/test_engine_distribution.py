@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 from transformers import GenerationConfig, LlamaConfig
 
 from rapidspec import DecodeConfig, Rapid
-from rapidspec.gamma_schedule import CostSchedule, StepCosts
+from rapidspec.drafting.gamma_schedule import CostSchedule, StepCosts
 from rapidspec.models import LoadedModel
 from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig

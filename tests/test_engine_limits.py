@@ -13,6 +13,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.logprobs import output_logprobs
 from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
+from rapidspec.sampling import SamplingParams
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
 
@@ -98,15 +99,15 @@ def test_greedy_rapid_reports_the_augmented_distribution_it_took_the_argmax_of(t
 def test_output_logprobs_worked_example():
     """eta = 0: log p; eta > 0 with q on the drafted row only: log p^ there, log p after (shapes [2, 3])."""
     target_logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
-    plain = output_logprobs(target_logits, None, eta=0.0, alpha=0.1, temperature=0.0)
+    plain = output_logprobs(target_logits, None, SamplingParams())
     assert torch.allclose(plain, target_logits.log_softmax(-1))
     draft_logits = torch.tensor([[0.0, 5.0, 0.0]])
-    augmented = output_logprobs(target_logits, draft_logits, eta=2.0, alpha=0.1, temperature=0.0)
+    augmented = output_logprobs(target_logits, draft_logits, SamplingParams(eta=2.0))
     p, q = target_logits[0].softmax(-1), draft_logits[0].softmax(-1)
     gate = q >= 0.1 * q.max()
     expected = (target_logits[0] + 2.0 * torch.where(gate, q - p, torch.zeros(3))).log_softmax(-1)
     assert torch.allclose(augmented[0], expected) and torch.allclose(augmented[1], plain[1])
-    sampled = output_logprobs(target_logits, None, eta=0.0, alpha=0.1, temperature=0.5, top_k=2)
+    sampled = output_logprobs(target_logits, None, SamplingParams(temperature=0.5, top_k=2))
     assert sampled[0, 2] == float("-inf") and torch.allclose(sampled[0, :2], (target_logits[0, :2] / 0.5).log_softmax(-1))
 
 

@@ -1,4 +1,4 @@
-"""The gamma schedules (rapidspec.gamma_schedule): the cost model's math by hand, the schedules' state, the option."""
+"""The gamma schedules (rapidspec.drafting.gamma_schedule): the cost model's math by hand, the schedules' state, the option."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from rapidspec import DecodeConfig
 from rapidspec.cli import main
 from rapidspec.errors import RapidspecError
-from rapidspec.gamma_schedule import (
+from rapidspec.drafting.gamma_schedule import (
     ACCEPTANCE_DECAY,
     EXTRAPOLATE_TOKENS,
     PROBE_DRAFTS,

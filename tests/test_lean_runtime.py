@@ -16,7 +16,7 @@ from rapidspec import Rapid
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.outputs import last_output
-from rapidspec.models import LoadedModel, _lean_forward, load_model, low_bit_copy
+from rapidspec.models.loading import LoadedModel, _lean_forward, load_model, low_bit_copy
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime import attention, new_kv_cache
 from rapidspec.runtime.cache import KVCache

@@ -14,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 from rapidspec import DecodeConfig, Rapid
-from rapidspec.drafting.backends import choose_backend
+from rapidspec.models.backend import choose_backend
 from rapidspec.errors import RapidspecError
 from rapidspec.outputs import last_output
 from rapidspec.prompts import PromptPair
@@ -175,7 +175,7 @@ def test_a_request_may_ask_for_the_other_backend(tiny_model, other_tiny_model, g
 
 def test_bench_runs_the_llama_cpp_peer_and_lookup(tiny_model, ggufs):
     """`rapidspec bench --modes ...,llama.cpp,lookup`: plain decoding of the target's GGUF beside the engine's modes."""
-    from rapidspec.evaluation import speed
+    from rapidspec.bench import speed
 
     target = replace(tiny_model, source=ggufs["self"])  # the target "was read" from this GGUF file
     engine = Rapid(target, retrieval=RETRIEVAL, reuse_document_cache=True)
@@ -193,7 +193,7 @@ def test_bench_runs_the_llama_cpp_peer_and_lookup(tiny_model, ggufs):
 
 
 def test_the_peer_needs_a_gguf_target(tiny_model):
-    from rapidspec.evaluation import speed
+    from rapidspec.bench import speed
 
     engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
     with pytest.raises(RapidspecError, match="runs the target's GGUF file"):

@@ -8,7 +8,7 @@ import psutil
 import pytest
 import torch
 
-from rapidspec.evaluation.memory import PeakMemory
+from rapidspec.bench.memory import PeakMemory
 
 
 def test_peak_sees_a_temporary_allocation():

@@ -1,4 +1,4 @@
-"""Tests of rapidspec.model_store and ``rapidspec models``: fast, no network, no pip.
+"""Tests of rapidspec.models.store and ``rapidspec models``: fast, no network, no pip.
 
 Split models are exercised with fake part files: a registry entry whose parts
 are 12 small packages in ``tmp_path`` put on ``sys.path`` (12 > 9, so that
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from rapidspec import model_store, models
+from rapidspec.models import loading as models, store as model_store
 from rapidspec.cli import main
 from rapidspec.errors import RapidspecError
-from rapidspec.models import BuiltinModel, PartWheels, assembled_gguf_path, load_model
+from rapidspec.models.loading import BuiltinModel, PartWheels, assembled_gguf_path, load_model
 
 NUM_PARTS = 12
 

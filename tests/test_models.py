@@ -24,9 +24,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rapidspec import devices, models
+from rapidspec.models import devices, loading as models
 from rapidspec.errors import RapidspecError
-from rapidspec.models import (
+from rapidspec.models.loading import (
     LoadedModel,
     cache_root,
     check_same_vocabulary,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rapidspec.errors import RapidspecError
-from rapidspec.prefix_cache import PrefixCache
+from rapidspec.runtime.prefix_cache import PrefixCache
 from rapidspec.runtime.cache import KVCache
 
 

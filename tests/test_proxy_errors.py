@@ -8,7 +8,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from rapidspec.server.proxy_errors import OpenAIErrorBodies, proxy_middlewares
+from rapidspec.scale.proxy_errors import OpenAIErrorBodies, proxy_middlewares
 
 
 def _app():

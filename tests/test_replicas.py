@@ -18,7 +18,8 @@ import time
 import httpx
 import pytest
 
-from rapidspec.cli import build_parser
+from rapidspec.models.spec import ModelSpec
+from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig
 from tests.server_harness import free_port, wait_until
 
@@ -30,18 +31,18 @@ def replicas(tiny_model_dir):
     import ray
     from ray import serve
 
-    from rapidspec.server.replicas import deploy
+    from rapidspec.scale.replicas import deploy
 
-    from rapidspec.server.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+    from rapidspec.scale.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # as `rapidspec serve --replicas` sets it for its local Ray
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
-    args = build_parser().parse_args(["serve", "--target", str(tiny_model_dir), "--retrieval", "bm25",
-                                      "--chunk-tokens", "64", "--budget-tokens", "128"])
-    config = ServerConfig(model_name="tiny", max_num_seqs=2)
+    spec = ModelSpec(target=str(tiny_model_dir))
+    config = ServerConfig(model_name="tiny", max_num_seqs=2,
+                          retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128))
     try:
-        board = deploy(args, config, replicas=2, resources={"num_cpus": 0.5}, host="127.0.0.1", port=port)
+        board = deploy(spec, config, replicas=2, resources={"num_cpus": 0.5}, host="127.0.0.1", port=port)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # bounded: until both replicas have reported

@@ -126,32 +126,44 @@ def test_verify_greedy_worked_example():
     logits = torch.full((4, 10), -5.0)
     for row, token in enumerate([5, 7, 2, 4]):
         logits[row, token] = 5.0
-    verdict = sampling.verify(logits, [5, 7, 9], None, eta=0.0, alpha=0.1, temperature=0.0)
-    assert (verdict.accepted, verdict.next_token, verdict.used_bonus_row) == (2, 2, False)
-    everything = sampling.verify(logits, [5, 7, 2], None, eta=0.0, alpha=0.1, temperature=0.0)
+    greedy = sampling.SamplingParams()
+    verdict = sampling.verify(logits, [5, 7, 9], None, greedy)
+    assert (verdict.accepted, verdict.next_token) == (2, 2)
+    everything = sampling.verify(logits, [5, 7, 2], None, greedy)
     assert (everything.accepted, everything.next_token) == (3, 4)  # the bonus token
 
 
-def test_verify_asks_for_the_bonus_row_only_when_all_drafts_pass_and_eta_is_positive():
+def test_verify_leaves_the_bonus_token_open_only_when_all_drafts_pass_and_eta_is_positive():
     logits = torch.zeros(3, 6)
     logits[:, 1] = 3.0  # the target wants token 1 everywhere
     rows = torch.zeros(2, 6)
     rows[:, 1] = 3.0
-    calls = []
+    bonus_row = torch.zeros(6)
+    bonus_row[4] = 50.0  # a drafter sure of token 4 at the bonus position
+    shifted = sampling.SamplingParams(eta=5.0)
+    rejected = sampling.verify(logits, [1, 2], rows, shifted)
+    assert (rejected.accepted, rejected.next_token) == (1, 1)  # recovered: decided without the drafter
+    accepted = sampling.verify(logits, [1, 1], rows, shifted)
+    assert (accepted.accepted, accepted.next_token) == (2, None)  # p^ at k + 1 needs the drafter's row there
+    assert sampling.bonus_token(logits, 2, bonus_row, shifted) == 4  # argmax(z + eta * g) with q there
+    assert sampling.bonus_token(logits, 2, None, shifted) == 1  # no row (a stopping draft): p
+    plain = sampling.verify(logits[:1], [], None, sampling.SamplingParams())
+    assert (plain.accepted, plain.next_token) == (0, 1)  # k = 0, eta = 0: a plain step
 
-    def bonus():
-        calls.append(1)
-        row = torch.zeros(6)
-        row[4] = 50.0  # a drafter sure of token 4 at the bonus position
-        return row
 
-    rejected = sampling.verify(logits, [1, 2], rows, eta=5.0, alpha=0.1, temperature=0.0, bonus_row=bonus)
-    assert rejected.accepted == 1 and not calls and not rejected.used_bonus_row
-    accepted = sampling.verify(logits, [1, 1], rows, eta=5.0, alpha=0.1, temperature=0.0, bonus_row=bonus)
-    assert accepted.accepted == 2 and calls == [1] and accepted.used_bonus_row
-    assert accepted.next_token == 4  # argmax(z + eta * g) with q at the bonus position
-    plain = sampling.verify(logits[:1], [], None, eta=0.0, alpha=0.1, temperature=0.0, bonus_row=bonus)
-    assert (plain.accepted, plain.next_token) == (0, 1) and calls == [1]  # k = 0: a plain step
+def test_bonus_token_when_sampling_follows_p_hat():
+    """With one bonus row, repeated draws follow softmax(z / T + eta * g) at that position (a chi-square bound:
+    the gap allowed is 5 standard errors, false failure below 1e-6)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5)
+    q = torch.tensor([0.05, 0.6, 0.2, 0.1, 0.05])
+    params = sampling.SamplingParams(eta=2.0, alpha=0.0, temperature=1.0)
+    expected = sampling.augmented_logits(logits[1:], logits[1:].softmax(-1), q[None], 2.0, 0.0).softmax(-1)[0]
+    generator = torch.Generator().manual_seed(1)
+    draws = 20000
+    counts = torch.bincount(torch.tensor([sampling.bonus_token(logits, 1, q, params, generator) for _ in range(draws)]),
+                            minlength=5).float() / draws
+    assert torch.all((counts - expected).abs() <= 5 * (expected * (1 - expected) / draws).sqrt() + 1e-9)
 
 
 def test_temperature_comes_before_top_k_and_top_p_as_in_transformers():
@@ -166,8 +178,8 @@ def test_temperature_comes_before_top_k_and_top_p_as_in_transformers():
         if top_k:
             expected = TopKLogitsWarper(top_k)(None, expected)
         expected = TopPLogitsWarper(top_p)(None, expected).log_softmax(-1)
-        got = output_logprobs(logits, None, eta=0.0, alpha=0.1, temperature=temperature, top_k=top_k, top_p=top_p)
+        got = output_logprobs(logits, None, sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
         torch.testing.assert_close(got, expected)
     # The order matters: at T = 2 the nucleus of 0.7 keeps three tokens, filtering first would keep two.
-    hot = output_logprobs(logits, None, eta=0.0, alpha=0.1, temperature=2.0, top_p=0.7)
+    hot = output_logprobs(logits, None, sampling.SamplingParams(temperature=2.0, top_p=0.7))
     assert torch.isfinite(hot).sum() == 3 and torch.isfinite(sampling.filter_logits(logits, top_p=0.7)).sum() == 2

@@ -16,7 +16,7 @@ from rich.table import Table
 from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_engine
 from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation import speed
+from rapidspec.bench import speed
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         out.print(profile_table(report))
     if args.plot:
-        from rapidspec.evaluation.plot import plot_report
+        from rapidspec.bench.plot import plot_report
 
         err.print(f"figure written to {plot_report(report, args.plot)}")
     print(json.dumps(report.to_dict(), ensure_ascii=False))

@@ -7,7 +7,7 @@ TPOT, ITL and end-to-end latency, throughputs and how every request ended.
 A table on stdout, then one JSON object as the last stdout line; progress on
 stderr. Exit code 1 when a request was lost or failed (or the server started
 here did not stop cleanly). The load generator is
-:mod:`rapidspec.evaluation.serve_bench`.
+:mod:`rapidspec.bench.serve.load`.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rapidspec.evaluation.serve_bench import LoadConfig
-    from rapidspec.evaluation.serve_dataset import load_requests
+    from rapidspec.bench.serve.load import LoadConfig
+    from rapidspec.bench.serve.dataset import load_requests
 
     config = LoadConfig(
         base_url=args.base_url or PLACEHOLDER_URL, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         summary = _measure(config, requests, err) | {"server": {"started_here": False}}
         failed_server = False
     else:
-        from rapidspec.evaluation.serve_process import LocalServer
+        from rapidspec.bench.serve.process import LocalServer
 
         with contextlib.ExitStack() as stack:
             with err.status("starting rapidspec serve on 127.0.0.1"):
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(config, requests, err: Console) -> dict:
-    from rapidspec.evaluation.serve_bench import run_benchmark
+    from rapidspec.bench.serve.load import run_benchmark
 
     counts = {"completed": 0, "rejected": 0, "error": 0}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -150,7 +150,7 @@ def _launch_config(args: argparse.Namespace):
     """The server to start here (None with --base-url, where the server options make no sense)."""
     import shlex
 
-    from rapidspec.evaluation.serve_process import LaunchConfig
+    from rapidspec.bench.serve.process import LaunchConfig
 
     given = [flag for flag, dest in (*SERVER_OPTIONS, ("--max-queue", "max_queue")) if getattr(args, dest) is not None]
     if args.base_url is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from rapidspec.evaluation.serve_stats import percentile
+from rapidspec.bench.serve.stats import percentile
 
 LATENCIES = (("ttft", "TTFT (time to first token)"), ("tpot", "TPOT (time per output token, excl. 1st)"),
              ("itl", "ITL (inter-token latency, per chunk)"), ("e2el", "E2EL (end-to-end latency)"))

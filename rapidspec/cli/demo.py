@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from rapidspec.demo_document import demo_document
 
     rapid_config = decode_config(args, mode="rapid")
-    lc_config = decode_config(args, mode="lc", eta=None)
+    lc_config = rapid_config.with_mode("lc")
     console = Console(stderr=True)
     with console.status("loading the models"):
         engine = load_engine(args)  # lc's prefill is stored in the prefix cache and rapid's starts from it

@@ -16,13 +16,13 @@ from rich.console import Console
 from rich.table import Table
 
 from rapidspec.cli.options import (add_decode_options, add_model_options, add_retrieval_options, decode_config, json_object,
-                                   load_models, retrieval_config)
+                                   load_models, model_spec, retrieval_config)
 from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.config import MAX_TOP_LOGPROBS, MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.breakdown import GROUPS, RIGHT_AT, breakdown, gap_text
 from rapidspec.evaluation.datasets import FORMATS, load_items
-from rapidspec.evaluation.bench_inputs import parse_modes
+from rapidspec.evaluation.variants import parse_modes
 from rapidspec.evaluation.runner import DEFAULT_MODES, run_eval
 from rapidspec.evaluation.synthetic import TASKS
 from rapidspec.evaluation.variants import parse_eval_sweep
@@ -171,11 +171,11 @@ def _ray_workers(args: argparse.Namespace):
         if args.workers is not None or args.worker_resources is not None:
             raise RapidspecError("--workers and --worker-resources apply with --ray")
         return None
-    from rapidspec.evaluation.ray_workers import RayWorkers
+    from rapidspec.scale.eval_workers import RayWorkers
 
     resources = json_object(args.worker_resources, "--worker-resources", '{"num_cpus": 1}')
     address = None if args.ray == "local" else args.ray
-    return RayWorkers(args, 2 if args.workers is None else args.workers, address, resources).connect()
+    return RayWorkers(model_spec(args), 2 if args.workers is None else args.workers, address, resources).connect()
 
 
 def breakdown_table(rows) -> Table:

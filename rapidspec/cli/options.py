@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
-from rapidspec.drafting.backends import DRAFTER_BACKENDS
+from rapidspec.models.backend import DRAFTER_BACKENDS
 from rapidspec.errors import RapidspecError
 from rapidspec.models import RUNTIMES
+from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.retrieval import METHODS, RetrievalConfig
+from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
 from rapidspec.runtime.quantization import QUANTIZATIONS
 
 _DEFAULT_DECODE = DecodeConfig()
@@ -21,7 +23,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("models")
     group.add_argument("--target", default="builtin", help="target model: builtin, an HF id or local dir, a .gguf file (default: builtin)")
     group.add_argument("--drafter", default=None, help="drafter model (default: the target's weights, own cache)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights dtype (default: auto)")
+    group.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="weights dtype (default: auto)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     group.add_argument("--drafter-device", default=None, help="device of the drafter (default: --device)")
     group.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="target weights: none, int8 or int4 (default: %(default)s)")
@@ -96,44 +98,22 @@ def retrieval_config(args: argparse.Namespace) -> RetrievalConfig:
     )
 
 
+def model_spec(args: argparse.Namespace):
+    """The :class:`~rapidspec.models.spec.ModelSpec` the model options name, one to one."""
+    from rapidspec.models.spec import ModelSpec
+
+    return ModelSpec(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
+                     drafter_device=args.drafter_device, quantize=args.quantize, drafter_quantize=args.drafter_quantize,
+                     runtime=args.runtime, drafter_backend=args.drafter_backend, drafter_threads=args.drafter_threads,
+                     prefix_cache_gib=getattr(args, "prefix_cache_gib", DEFAULT_PREFIX_CACHE_GIB))
+
+
 def load_models(args: argparse.Namespace):
     """(target, drafter or None) named by the model options."""
-    from rapidspec.models import load_model, low_bit_copy
-
-    runtime = getattr(args, "runtime", "auto")
-    target = load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize, runtime=runtime)
-    drafter = None
-    if args.drafter is not None and _llama_cpp_drafter(args, target):
-        drafter = args.drafter  # read by llama.cpp as it is; loaded by torch only if a request asks for torch
-    elif args.drafter is not None:
-        drafter = load_model(args.drafter, dtype=args.dtype, device=args.drafter_device or args.device,
-                             quantize=args.drafter_quantize, runtime=runtime)
-    elif args.drafter_quantize not in ("none", args.quantize):
-        # a self-drafter with other weights: a copy of the float target, or the target loaded again
-        if args.quantize == "none":
-            drafter = low_bit_copy(target, args.drafter_quantize, name="self")
-        else:
-            drafter = replace(
-                load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.drafter_quantize,
-                           runtime=runtime),
-                name="self",
-            )
-    return target, drafter
-
-
-def _llama_cpp_drafter(args: argparse.Namespace, target) -> bool:
-    """Whether the options' drafter runs on llama.cpp (then it need not be loaded by torch)."""
-    from rapidspec.drafting.backends import choose_backend
-
-    backend = getattr(args, "drafter_backend", "auto")
-    if args.drafter_quantize != "none":
-        return False
-    return choose_backend(backend, target, args.drafter) == "llama.cpp"
+    return model_spec(args).load()
 
 
 def add_prefix_cache_option(parser: argparse.ArgumentParser) -> None:
-    from rapidspec.engine import DEFAULT_PREFIX_CACHE_GIB
-
     parser.add_argument("--prefix-cache-gib", type=float, default=DEFAULT_PREFIX_CACHE_GIB,
                         help="memory for stored target caches reused by later turns and requests sharing a prefix; "
                              "least recently used evicted, 0 = off (default: %(default)s)")
@@ -141,15 +121,9 @@ def add_prefix_cache_option(parser: argparse.ArgumentParser) -> None:
 
 def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):
     """Load the target (and drafter) named by the options and build a Rapid engine."""
-    from rapidspec.engine import DEFAULT_PREFIX_CACHE_GIB, Rapid
+    from rapidspec.engine import Rapid
 
-    gib = getattr(args, "prefix_cache_gib", DEFAULT_PREFIX_CACHE_GIB)
-    if gib < 0:
-        raise RapidspecError(f"--prefix-cache-gib must be >= 0, got {gib}")
-    target, drafter = load_models(args)
-    return Rapid(target, drafter, retrieval=retrieval_config(args), reuse_document_cache=reuse_document_cache,
-                 prefix_cache_gib=gib, drafter_backend=getattr(args, "drafter_backend", "auto"),
-                 drafter_threads=getattr(args, "drafter_threads", None))
+    return Rapid.from_spec(model_spec(args), retrieval_config(args), reuse_document_cache=reuse_document_cache)
 
 
 def json_object(text: str | None, flag: str, example: str) -> dict | None:

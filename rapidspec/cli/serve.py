@@ -15,6 +15,7 @@ from rapidspec.cli.options import (
     decode_config,
     json_object,
     load_engine,
+    model_spec,
     retrieval_config,
 )
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
@@ -103,11 +104,11 @@ def run(args: argparse.Namespace) -> int:
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
     )
     if args.replicas is not None:
-        from rapidspec.server.replicas import serve_replicas
+        from rapidspec.scale.replicas import serve_replicas
 
         logging.getLogger("rapidspec").setLevel(logging.INFO)
         resources = json_object(args.replica_resources, "--replica-resources", '{"num_cpus": 1}')
-        return serve_replicas(args, config, args.replicas, args.ray_address, resources, args.host, args.port)
+        return serve_replicas(model_spec(args), config, args.replicas, args.ray_address, resources, args.host, args.port)
     if args.ray_address is not None or args.replica_resources is not None:
         raise RapidspecError("--ray-address and --replica-resources apply with --replicas")
     engine = load_engine(args)

@@ -2,7 +2,7 @@
 
 * :mod:`.modes`: the one table of modes (what the target reads, the drafter
   kind, whether eta may be > 0).
-* :mod:`.drafter`: :class:`Drafter`, a model drafting over a key/value cache
+* :mod:`.drafter`: the :class:`Drafter` protocol and :class:`ModelDrafter`, a model drafting over a key/value cache
   (torch or llama.cpp), with ``propose``, ``bonus_row``, ``commit``, ``close``.
 * :mod:`.lookup`: prompt-lookup drafting (mode ``lookup``), no model.
 * :mod:`.backends`: torch and llama.cpp caches, ``auto`` choice, vocabulary checks.
@@ -10,7 +10,7 @@
 * :mod:`.eta_default`: the default eta by how the drafter relates to the target (self, larger, smaller).
 """
 
-from rapidspec.drafting.drafter import NO_PROPOSAL, Drafter, Proposal
+from rapidspec.drafting.drafter import NO_PROPOSAL, Drafter, ModelDrafter, Proposal
 from rapidspec.drafting.modes import (
     MODE_TABLE,
     MODES,
@@ -31,6 +31,7 @@ __all__ = [
     "USES_DRAFTER",
     "USES_RETRIEVAL",
     "Drafter",
+    "ModelDrafter",
     "ModeSpec",
     "Proposal",
     "streaming_view",

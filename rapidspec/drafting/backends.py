@@ -1,16 +1,14 @@
 """Where a drafter's cache comes from: torch (any device) or llama.cpp (CPU, a GGUF file as it is).
 
-A backend makes the :class:`~rapidspec.drafting.drafter.Drafter` of each
+A backend makes the :class:`~rapidspec.drafting.drafter.ModelDrafter` of each
 generation and keeps the cache of the last one when it closes, so the next
 prompt prefills only what differs from it: another question about the same
 document, the next turn of a chat (llama-server's slots do the same). Two
 generations running at once each get a cache of their own.
 
-``auto`` (the default) is llama.cpp when all of these hold, else torch: the
-target runs on the CPU, ``llama-cpp-python`` is installed, the drafter has a
-GGUF file (the target's own for self-speculation), and no torch-side
-quantization of the drafter was asked for. llama.cpp's vocabulary is checked
-against the target's token for token.
+Which backend drafts is decided once, with the models
+(:func:`rapidspec.models.backend.choose_backend`). llama.cpp's vocabulary is
+checked against the target's token for token.
 """
 
 from __future__ import annotations
@@ -19,12 +17,9 @@ from pathlib import Path
 
 import torch
 
-from rapidspec.drafting.drafter import Drafter
+from rapidspec.drafting.drafter import ModelDrafter
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.cache import common_prefix_length
-
-DRAFTER_BACKENDS: tuple[str, ...] = ("auto", "torch", "llama.cpp")
-
 
 class DrafterPool:
     """Makes drafters over caches of one kind and keeps the last closed cache for reuse (when ``keep``)."""
@@ -43,7 +38,7 @@ class DrafterPool:
     def _fits(self, cache, tokens: int) -> bool:
         return True
 
-    def start(self, prompt_ids, room: int, vocab_size: int, target_device: torch.device) -> tuple[Drafter, int]:
+    def start(self, prompt_ids, room: int, vocab_size: int, target_device: torch.device) -> tuple[ModelDrafter, int]:
         """A drafter over ``prompt_ids`` whose cache holds ``prompt_ids[:-1]``, and how many of them were reused.
 
         ``room``: tokens the answer may add (max new tokens and drafts).
@@ -56,7 +51,7 @@ class DrafterPool:
         reused = common_prefix_length(cache.token_ids, wanted)
         cache.crop(reused)
         cache.prefill(wanted[reused:])
-        return Drafter(cache, list(prompt_ids), vocab_size, target_device, on_close=self._keep), reused
+        return ModelDrafter(cache, list(prompt_ids), vocab_size, target_device, on_close=self._keep), reused
 
     def _keep(self, cache) -> None:
         self._idle = cache if self.keep else None
@@ -70,7 +65,7 @@ class TorchDrafters(DrafterPool):
     """Drafters over the runtime's torch caches of a loaded model (the target itself for self-speculation)."""
 
     def __init__(self, loaded, prefill_chunk_tokens: int, label: str, keep: bool = True) -> None:
-        from rapidspec.vocabulary import logit_width
+        from rapidspec.models.vocabulary import logit_width
 
         super().__init__(keep)
         self.loaded = loaded
@@ -123,41 +118,3 @@ def check_llama_vocabulary(target_tokenizer, model) -> None:
                 f"the llama.cpp drafter {model.path.name}'s vocabulary differs from the target's at token {index} "
                 f"({theirs!r} against {ours!r}): use a drafter with the target's vocabulary"
             )
-
-
-def gguf_file(drafter) -> Path | None:
-    """The GGUF file behind a drafter: a loaded model read from one, or a model name that resolves to one."""
-    if drafter is None:
-        return None
-    if isinstance(drafter, str):
-        from rapidspec.models import resolve_source
-
-        return resolve_source(drafter)[1]
-    source = getattr(drafter, "source", "")
-    return Path(source) if str(source).lower().endswith(".gguf") and Path(source).is_file() else None
-
-
-def choose_backend(requested: str, target, drafter) -> str:
-    """``torch`` or ``llama.cpp`` for ``requested`` (``auto`` resolved as the module docstring says).
-
-    ``drafter``: None (self-speculation), a loaded model, or a model name.
-    """
-    from rapidspec.runtime.llama_cpp import llama_cpp_available
-
-    if requested not in DRAFTER_BACKENDS:
-        raise RapidspecError(f"drafter_backend must be one of {', '.join(DRAFTER_BACKENDS)}, got {requested!r}")
-    if requested == "torch":
-        return "torch"
-    source = target if drafter is None else drafter
-    gguf = gguf_file(source)
-    quantized = getattr(source, "quantization", "none") != "none" and drafter is not None
-    if requested == "auto":
-        usable = target.device.type == "cpu" and gguf is not None and not quantized and llama_cpp_available()
-        return "llama.cpp" if usable else "torch"
-    if not llama_cpp_available():
-        raise RapidspecError("drafter backend 'llama.cpp' needs llama-cpp-python: run `make install` (it builds it)")
-    if gguf is None:
-        raise RapidspecError(f"drafter backend 'llama.cpp' reads GGUF files; {getattr(source, 'name', source)!r} is not one")
-    if quantized:
-        raise RapidspecError("drafter backend 'llama.cpp' uses the GGUF's own weights; drop the drafter quantization")
-    return "llama.cpp"

@@ -1,31 +1,34 @@
 """The drafter of one generation: its own prompt, cache and token sequence.
 
 In the spirit of transformers' ``CandidateGenerator`` and llama.cpp's
-``common_speculative``, a :class:`Drafter` hides how drafts are made behind
-four calls the engine's loop makes every round::
+``common_speculative``, the :class:`Drafter` protocol hides how drafts are
+made behind the calls the engine's loop makes every round::
 
     proposal = drafter.propose(k, config, generator, stop_tokens)   # step 2
     ... the target verifies proposal.tokens (step 3, sampling.verify, step 4)
-    drafter.bonus_row(config)        # only when sampling.verify asks for it
-    drafter.commit(emitted)          # step 5: roll back to the committed tokens
+    drafter.bonus_row(config, stop_tokens)   # only when verification leaves the bonus token open
+    drafter.commit(emitted)                  # step 5: roll back to the committed tokens
+    drafter.close(keep)                      # after the last round
 
-:class:`Drafter` drafts with a language model over any key/value cache that
-follows the runtime's protocol (``forward``, ``prefill``, ``crop``,
+:class:`ModelDrafter` drafts with a language model over any key/value cache
+that follows the runtime's protocol (``forward``, ``prefill``, ``crop``,
 ``length``, ``token_ids``, ``device``): a torch cache
 (:func:`rapidspec.runtime.new_kv_cache`) or a llama.cpp context
 (:mod:`rapidspec.runtime.llama_cpp`). :class:`~rapidspec.drafting.lookup.LookupDrafter`
-drafts without a model. Which drafter a mode uses is in :mod:`.modes`; where
-caches come from (and are kept across questions) is in :mod:`.backends`.
+drafts without a model. Which drafter a mode uses is in :mod:`.modes` and
+:mod:`.factory`; where caches come from (and are kept across questions) is in
+:mod:`.backends`.
 
 Convention (as the target's cache): after ``commit`` the cache holds a prefix
-of :attr:`Drafter.sequence`; the rest (usually the last token, more after
-plain rounds) is fed at the start of the next forward (*pending* tokens).
+of ``sequence``; the rest (usually the last token, more after plain rounds)
+is fed at the start of the next forward (*pending* tokens).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -49,6 +52,40 @@ class Proposal:
 NO_PROPOSAL = Proposal([])
 
 
+@runtime_checkable
+class Drafter(Protocol):
+    """What the engine uses of a drafter (model drafters, lookup, and any new kind).
+
+    ``sequence``: the drafter's prompt then the committed answer tokens;
+    ``vocab_size``: the logits both models share; ``cache``: the key/value
+    cache drafting reads (None without a model); ``bonus_seconds``: the time
+    the last :meth:`bonus_row` took.
+    """
+
+    sequence: list[int]
+    vocab_size: int
+    bonus_seconds: float
+
+    @property
+    def cache(self): ...
+
+    def propose(self, k: int, config, generator: torch.Generator, stop_tokens: frozenset[int]) -> Proposal:
+        """Up to ``k`` drafted tokens after the committed ones, with their rows (:class:`Proposal`)."""
+        ...
+
+    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False) -> torch.Tensor | None:
+        """The row at the position after the last draft ([V]), or None when there is none."""
+        ...
+
+    def commit(self, emitted: list[int]) -> None:
+        """Append the round's emitted tokens and roll back to them."""
+        ...
+
+    def close(self, keep: bool = True) -> None:
+        """The generation is over (``keep=False``: after an error, drop what may be half-written)."""
+        ...
+
+
 def draft_row(logits: torch.Tensor, config, device: torch.device) -> torch.Tensor:
     """What verification keeps of a drafter position ([V] -> [V] on ``device``).
 
@@ -61,7 +98,7 @@ def draft_row(logits: torch.Tensor, config, device: torch.device) -> torch.Tenso
     return sampling.filter_logits(scaled, config.top_k, config.top_p).softmax(-1)[0]
 
 
-class Drafter:
+class ModelDrafter:
     """Drafts with a language model over ``cache``, which already holds ``sequence[:-1]`` (or a prefix of it).
 
     ``vocab_size`` cuts logits to the vocabulary both models share;

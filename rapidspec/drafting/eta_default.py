@@ -44,7 +44,7 @@ def default_reason(kind: Relation) -> str:
 
 def parameter_count(model) -> int:
     """Weights of a model: a GGUF file's tensor elements (a name or a model read from one), else torch's tensors."""
-    from rapidspec.drafting.backends import gguf_file
+    from rapidspec.models.backend import gguf_file
 
     path = gguf_file(model)
     if path is not None:

@@ -26,7 +26,10 @@ MIN_NGRAM = 1
 
 
 class LookupDrafter:
-    """Drafts by n-gram match over ``sequence`` (prompt token ids, then the answer as it grows)."""
+    """Drafts by n-gram match over ``sequence`` (prompt token ids, then the answer as it grows).
+
+    Follows the :class:`~rapidspec.drafting.drafter.Drafter` protocol: no cache, no rows, no bonus row.
+    """
 
     cache = None  # no model, no cache
     bonus_seconds = 0.0

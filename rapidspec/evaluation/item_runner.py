@@ -5,7 +5,9 @@
 drafter retrieves from); :class:`ItemRunner` holds the engine built from the
 models and the options, and turns an (item, variant) pair into a record
 without its ``config``, which the caller adds (with the judge's name when
-there is one). Records do not depend on which process made them.
+there is one). Each call names its retriever and prompt template; the
+engine's own are never reassigned. Records do not depend on which process
+made them.
 """
 
 from __future__ import annotations
@@ -39,45 +41,40 @@ class RunOptions:
 
 
 class ItemRunner:
-    """One engine over ``target`` and ``drafter`` (built on first use) answering items under ``options``."""
+    """One engine over ``target`` and ``drafter`` answering items under ``options``."""
 
     def __init__(self, target, drafter, options: RunOptions,
                  prefill_progress: Callable[[int, int], None] | None = None) -> None:
-        from rapidspec.drafting.backends import choose_backend
+        from rapidspec.engine import Rapid
 
-        self.target, self.drafter, self.options = target, drafter, options
+        self.options = options
         self.prefill_progress = prefill_progress
-        backend = choose_backend(options.base.drafter_backend, target, drafter)
-        self.config = run_config(target, drafter, backend, options.base, data=options.data_label,
+        self.engine = Rapid(target, drafter, retrieval=options.retrieval, drafter_backend=options.base.drafter_backend)
+        self.config = run_config(target, drafter, self.engine.drafter_backend, options.base, data=options.data_label,
                                  max_new_tokens=options.max_new_tokens, retrieval=options.retrieval,
-                                 retrieve_from=options.retrieve_from, logprobs=options.logprobs)
-        self._engine = None
+                                 retrieve_from=options.retrieve_from, logprobs=options.logprobs,
+                                 drafter_relation=self.engine.drafter_relation)
         self._drafter_engine = None
         self._views = None
-        self._retrievers: dict = {}
+        self._retrievers: dict = {None: self.engine.retriever}
 
-    def _engine_for(self, budget_tokens: int | None):
-        from rapidspec.engine import Rapid
+    def _retriever(self, budget_tokens: int | None):
+        """The retriever of a budget sweep point (None: the run's own), sharing the loaded embedder."""
         from rapidspec.retrieval import Retriever
 
-        if self._engine is None:
-            self._engine = Rapid(self.target, self.drafter, retrieval=self.options.retrieval)
-            self._retrievers[None] = self._engine.retriever
         if budget_tokens not in self._retrievers:
-            self._retrievers[budget_tokens] = Retriever(  # the same embedder, once it is loaded
-                replace(self.options.retrieval, budget_tokens=budget_tokens), tokenizer=self._engine.tokenizer,
+            self._retrievers[budget_tokens] = Retriever(
+                replace(self.options.retrieval, budget_tokens=budget_tokens), tokenizer=self.engine.tokenizer,
                 embedder=self._retrievers[None].loaded_embedder,
             )
-        self._engine.retriever = self._retrievers[budget_tokens]
-        return self._engine
+        return self._retrievers[budget_tokens]
 
-    def _drafter_engine_for(self, engine):
+    def _drafter_engine_for(self):
         """An engine whose target is the drafter model, for its own answers on the retrieved text (mode rag)."""
         from rapidspec.engine import Rapid
 
         if self._drafter_engine is None:
-            self._drafter_engine = Rapid(engine.drafter, drafter_backend="torch")
-        self._drafter_engine.retriever = engine.retriever  # the same chunks and scores as the drafting modes
+            self._drafter_engine = Rapid(self.engine.drafter, drafter_backend="torch")
         return self._drafter_engine
 
     def _separate_drafter(self, engine):
@@ -86,34 +83,32 @@ class ItemRunner:
 
     def run(self, item: EvalItem, variant) -> dict:
         """The scored record of ``item`` under ``variant`` (:mod:`.variants`), without ``config``."""
-        engine = self._engine_for(variant.budget_tokens)
-        engine.template = item.template  # public attributes; the document cache is keyed by tokens
         limit = self.options.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type]
         run = variant.config.with_(max_new_tokens=limit)
         corpus = self.options.corpora.get(item.id)
-        answering = engine
-        if variant.mode == DRAFTER_ROW:
-            answering = self._drafter_engine_for(engine)
-            answering.template = item.template
+        retriever = self._retriever(variant.budget_tokens)
+        answering = self._drafter_engine_for() if variant.mode == DRAFTER_ROW else self.engine
         if item.messages:  # chat form: the conversation so far is the long context
-            output = answering.chat(list(item.messages), query=item.query, config=run,
+            output = answering.chat(list(item.messages), query=item.query, retriever=retriever, config=run,
                                     prefill_progress=self.prefill_progress)
         else:
-            output = answering.generate(item.document, item.question, query=item.query, corpus=corpus, config=run,
+            output = answering.generate(item.document, item.question, query=item.query, corpus=corpus,
+                                        retriever=retriever, template=item.template, config=run,
                                         prefill_progress=self.prefill_progress)
         record = self._record(item, variant, output)
         if self.options.logprobs:
-            record["logprobs"] = self._logprobs(engine, item, run, output, corpus)
+            record["logprobs"] = self._logprobs(item, run, output, corpus, retriever)
         return record
 
-    def _logprobs(self, engine, item: EvalItem, run: DecodeConfig, output, corpus: str | None) -> dict:
+    def _logprobs(self, item: EvalItem, run: DecodeConfig, output, corpus: str | None, retriever) -> dict:
         from rapidspec.evaluation.logprob_views import ViewScorer, answer_views
 
+        engine = self.engine
         if self._views is None:
             self._views = ViewScorer(self.options.logprobs, engine.vocab_size, engine.eos_token_ids,
                                      lambda token: engine.tokenizer.decode([token]))
         return answer_views(self._views, engine, item, run, output.token_ids, ended=output.stats.stop_reason == "eos",
-                            drafter_model=self._separate_drafter(engine), corpus=corpus)
+                            drafter_model=self._separate_drafter(engine), corpus=corpus, retriever=retriever)
 
     @staticmethod
     def _record(item: EvalItem, variant, output) -> dict:

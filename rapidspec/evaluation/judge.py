@@ -46,7 +46,7 @@ _OUT_OF_TEN = re.compile(r"\b(\d{1,2})(?:\.\d+)?\s*/\s*10\b")
 
 def largest_installed_model() -> str:
     """``builtin:NAME`` of the largest built-in model installed here (``--judge auto``)."""
-    from rapidspec.model_store import list_models
+    from rapidspec.models.store import list_models
 
     installed = [row for row in list_models() if row.installed]
     return "builtin:" + max(installed, key=lambda row: row.size_bytes or 0).name if installed else "builtin"

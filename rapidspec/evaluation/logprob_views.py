@@ -101,20 +101,21 @@ class ViewScorer:
 
 
 def answer_views(scorer: ViewScorer, engine, item, config, answer: Sequence[int], *, ended: bool,
-                 drafter_model=None, corpus: str | None = None) -> dict:
+                 drafter_model=None, corpus: str | None = None, retriever=None) -> dict:
     """The ``logprobs`` field of one answer to ``item`` (a question about a document) under ``config``.
 
     ``ended``: the answer stopped at an end-of-sequence token (the position after it is kept too);
     ``drafter_model``: the drafter's torch model when it is not the target (adds the ``drafter`` view);
-    ``corpus``: what retrieval read instead of the document.
+    ``corpus``: what retrieval read instead of the document; ``retriever``: the one the answer used.
     """
     if item.messages:
         raise RapidspecError("--logprobs applies to questions about documents, not to chat-form items")
     answer = [int(t) for t in answer]
     positions = max(1, min(POSITIONS, len(answer) + int(ended)))
-    full = engine.document_prompts(item.document, item.question, config.with_(mode="lc", eta=None), query=item.query)
-    retrieved = engine.document_prompts(item.document, item.question, config.with_(mode="rag", eta=None), query=item.query,
-                                        corpus=corpus)
+    full = engine.document_prompts(item.document, item.question, config.with_mode("lc"), query=item.query,
+                                   template=item.template)
+    retrieved = engine.document_prompts(item.document, item.question, config.with_mode("rag"), query=item.query,
+                                        corpus=corpus, retriever=retriever, template=item.template)
     target = engine.target
     with torch.inference_mode():
         views = {

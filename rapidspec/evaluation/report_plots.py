@@ -15,7 +15,19 @@ from collections import defaultdict
 from pathlib import Path
 
 from rapidspec.evaluation.breakdown import group_length, speedups
-from rapidspec.evaluation.plot import pyplot
+from rapidspec.errors import RapidspecError
+
+
+def pyplot():
+    """matplotlib.pyplot on the headless Agg backend, or a one-line error naming the extra to install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RapidspecError("plots need matplotlib: pip install 'rapidspec[plot]'") from None
+    return plt
 
 
 def _mean_by(records, key) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from rapidspec.config import DecodeConfig
-from rapidspec.drafting.eta_default import drafter_relation
 
 #: Answer token limit per task type when none is given (needles: RULER's 128).
 DEFAULT_MAX_NEW_TOKENS = {"mc": 64, "qa": 64, "needle": 128, "summary": 256}
@@ -43,10 +42,11 @@ def decode_identity(base: DecodeConfig) -> dict:
 
 
 def run_config(target, drafter, drafter_backend: str, base: DecodeConfig, *, data: str, max_new_tokens: int | None,
-               retrieval, retrieve_from: str | None, logprobs: int = 0) -> dict:
+               retrieval, retrieve_from: str | None, logprobs: int = 0, drafter_relation: str = "self") -> dict:
     """The configuration stored in (and compared against) every record of a results file.
 
     ``drafter_backend``: the backend that drafts (``torch`` or ``llama.cpp``, resolved from ``auto``);
+    ``drafter_relation``: ``self``, ``larger`` or ``smaller`` (the engine's, which sets the default eta);
     ``max_new_tokens=None`` stores the per-task defaults; ``logprobs``: the top-K of the views
     (:mod:`.logprob_views`), stored only when > 0.
     """
@@ -55,7 +55,7 @@ def run_config(target, drafter, drafter_backend: str, base: DecodeConfig, *, dat
         "target": describe_model(target),
         "drafter": describe_model(drafter),
         "drafter_backend": drafter_backend,
-        "drafter_relation": drafter_relation(target, drafter),
+        "drafter_relation": drafter_relation,
         "data": data,
         "temperature": base.temperature,
         "max_new_tokens": max_new_tokens if max_new_tokens is not None else dict(DEFAULT_MAX_NEW_TOKENS),

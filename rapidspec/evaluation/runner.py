@@ -38,13 +38,12 @@ from rapidspec.config import MAX_TOP_LOGPROBS, MODES, DecodeConfig
 from rapidspec.drafting import MODE_TABLE
 from rapidspec.drafting.eta_default import DEFAULT_ETA
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.bench_inputs import Sweep, Variant
 from rapidspec.evaluation.datasets import EvalItem
 from rapidspec.evaluation.judge import JUDGED_TASK_TYPES
 from rapidspec.evaluation.item_runner import DRAFTER_ROW, ItemRunner, RunOptions
 from rapidspec.evaluation.metrics import HEADLINE, bootstrap_ci
 from rapidspec.evaluation.run_config import separate_drafter
-from rapidspec.evaluation.variants import eval_variants
+from rapidspec.evaluation.variants import Sweep, Variant, run_matrix
 
 DEFAULT_MODES = ("lc", "rag", "rapid")
 SPEED_FIELDS = ("decode_tokens_per_second", "acceptance_rate", "mean_accepted_length", "target_prefill_seconds")
@@ -237,7 +236,7 @@ def run_eval(
     called after each record is written (tests use it to simulate an interruption).
     ``judge``: a :class:`~rapidspec.evaluation.judge.Judge` that rates open
     answers (``qa``, ``summary``) into ``metrics`` (``judge``, ``judge_rating``).
-    ``workers``: a :class:`~rapidspec.evaluation.ray_workers.RayWorkers` that
+    ``workers``: a :class:`~rapidspec.scale.eval_workers.RayWorkers` that
     answers the items on Ray actors with engines of their own (``target`` and
     ``drafter`` are then unused); the judge and the results file stay here.
     ``logprobs``: K > 0 stores in each record the top-K log-probabilities of
@@ -277,10 +276,10 @@ def run_eval(
     store = ResultsFile(results, config, overwrite=overwrite)
     done = store.keys()
 
-    variants = eval_variants(modes, base, sweep)
+    variants = run_matrix(modes, base, sweep)
     if separate_drafter(config) and any(MODE_TABLE[m].drafter_reads == "retrieved" and MODE_TABLE[m].drafter_kind == "model"
                                         for m in modes):
-        variants.append(Variant(DRAFTER_ROW, DRAFTER_ROW, base.with_(mode="rag", eta=None)))
+        variants.append(Variant(DRAFTER_ROW, DRAFTER_ROW, base.with_mode("rag")))
     wanted = [(item, variant) for item in items for variant in variants]
     pending = [(item, v) for item, v in wanted if record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) not in done]
 

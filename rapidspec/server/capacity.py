@@ -14,7 +14,7 @@ import logging
 import psutil
 import torch
 
-from rapidspec.prefix_cache import GIB
+from rapidspec.runtime.prefix_cache import GIB
 
 logger = logging.getLogger(__name__)
 

@@ -1,70 +1,16 @@
-"""The replicas of ``rapidspec serve --replicas N`` as ``/health`` and ``/metrics`` see them.
+"""One ``/health`` body and one Prometheus text for several replicas, from their reports.
 
-A Ray Serve proxy sends each request to one replica, so a replica's own
-counters cover only its requests. Every replica reports its health and its
-Prometheus text once a second to one named actor, :class:`FleetBoard`; any
-replica answering ``/health`` or ``/metrics`` reads the board and answers for
-all of them (each series gains a ``replica`` label; a replica that has not
-reported for :data:`STALE_AFTER_S` seconds, e.g. one that died, is left out).
+A replica of ``rapidspec serve --replicas N`` answers ``/health`` and
+``/metrics`` for all of them: :class:`rapidspec.scale.fleet.FleetReporter`
+hands the app every replica's latest (health, metrics text); these functions
+merge them (each series gains a ``replica`` label).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Callable
-
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-
-logger = logging.getLogger(__name__)
-
-FLEET_ACTOR = "rapidspec-fleet"
-FLEET_NAMESPACE = "rapidspec"
-REPORT_EVERY_S = 1.0
-STALE_AFTER_S = 5.0
-
-
-class FleetBoard:
-    """A Ray actor: the latest report of each replica (its health and its metrics text)."""
-
-    def __init__(self) -> None:
-        self._reports: dict[str, tuple[float, dict, bytes]] = {}
-
-    def report(self, replica: str, health: dict, metrics: bytes) -> None:
-        self._reports[replica] = (time.monotonic(), health, metrics)
-
-    def reports(self) -> dict[str, tuple[dict, bytes]]:
-        now = time.monotonic()
-        self._reports = {k: v for k, v in self._reports.items() if now - v[0] <= STALE_AFTER_S}
-        return {replica: (health, metrics) for replica, (_, health, metrics) in sorted(self._reports.items())}
-
-
-class FleetReporter:
-    """In a replica: reports to the board every second and reads every replica's reports back."""
-
-    def __init__(self, board, replica: str) -> None:
-        self.board, self.replica = board, replica
-        self._stop = threading.Event()
-
-    def start(self, health: Callable[[], dict], metrics: Callable[[], bytes]) -> None:
-        def run() -> None:
-            while not self._stop.is_set():
-                try:
-                    self.board.report.remote(self.replica, health(), metrics())
-                except Exception as err:  # the board is gone (the deployment is shutting down)
-                    logger.debug("fleet report failed: %r", err)
-                self._stop.wait(REPORT_EVERY_S)
-
-        threading.Thread(target=run, name="rapidspec-fleet-report", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    async def reports(self) -> dict[str, tuple[dict, bytes]]:
-        return await self.board.reports.remote()
 
 
 def fleet_health(reports: dict[str, tuple[dict, bytes]]) -> dict:

@@ -1,4 +1,4 @@
-"""Figures of a :class:`rapidspec.evaluation.speed.BenchReport` (matplotlib, headless).
+"""Figures of a :class:`rapidspec.bench.speed.BenchReport` (matplotlib, headless).
 
 * Modes: decode throughput and speedup against target prompt length, one line
   per mode (as Figures 1 and 3 of the RAPID paper); end-to-end speedup dashed.
@@ -11,18 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from rapidspec.errors import RapidspecError
-
-
-def pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RapidspecError("plots need matplotlib: pip install 'rapidspec[plot]'") from None
-    return plt
+from rapidspec.evaluation.report_plots import pyplot
 
 
 def plot_report(report, path: str | Path) -> Path:

@@ -10,7 +10,7 @@ gaps drawn from ``random.Random(seed)``; ``inf``: all at once), and at most
 ``timeout_s``; a request without an answer by then is lost. Afterwards it
 waits (at most :data:`SETTLE_TIMEOUT_S`) for ``/health`` to show nothing
 running or waiting, reads ``/metrics`` again and returns the summary of
-:func:`rapidspec.evaluation.serve_stats.summarize` with the server's side.
+:func:`rapidspec.bench.serve.stats.summarize` with the server's side.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.serve_client import check_server, read_counters, send_request, settled_health
-from rapidspec.evaluation.serve_dataset import BenchRequest
-from rapidspec.evaluation.serve_stats import RequestResult, summarize
+from rapidspec.bench.serve.client import check_server, read_counters, send_request, settled_health
+from rapidspec.bench.serve.dataset import BenchRequest
+from rapidspec.bench.serve.stats import RequestResult, summarize
 
 SETTLE_TIMEOUT_S = 60.0
 #: Body fields the options set; ``extra_body`` may not replace them.
@@ -191,7 +191,7 @@ async def _benchmark(config: LoadConfig, requests: Sequence[BenchRequest], on_do
         before = await read_counters(client)
         results, duration = await run_load(client, config, requests, on_done)
         health = await settled_health(client, SETTLE_TIMEOUT_S)
-        if isinstance(health, dict) and "replicas" in health:  # replicas report once a second (server.fleet)
+        if isinstance(health, dict) and "replicas" in health:  # replicas report once a second (rapidspec.scale.fleet)
             await asyncio.sleep(2.0)
         after = await read_counters(client)
     return summarize(results, duration) | {"server_metrics": counter_deltas(before, after), "health_after": health}

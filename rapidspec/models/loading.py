@@ -44,13 +44,13 @@ from typing import Any
 
 import torch
 
-from rapidspec.builtin_models import BUILTIN_MODELS, DEFAULT_BUILTIN, BuiltinModel, PartWheels
-from rapidspec.devices import resolve_device, resolve_dtype
+from rapidspec.models.builtin import BUILTIN_MODELS, DEFAULT_BUILTIN, BuiltinModel, PartWheels
+from rapidspec.models.devices import resolve_device, resolve_dtype
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.cache_dir import cache_root
 from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.quantization import check_quantization, quantize_linears, quantized_copy
-from rapidspec.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
+from rapidspec.models.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
 
 logger = logging.getLogger(__name__)
 

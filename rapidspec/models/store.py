@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rapidspec.errors import RapidspecError
-from rapidspec.models import (
+from rapidspec.models.loading import (
     BUILTIN_MODELS,
     BuiltinModel,
     PartWheels,

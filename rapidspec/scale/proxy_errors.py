@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-PROXY_CALLBACK = "rapidspec.server.proxy_errors:proxy_middlewares"
+PROXY_CALLBACK = "rapidspec.scale.proxy_errors:proxy_middlewares"
 
 
 def proxy_middlewares() -> list:

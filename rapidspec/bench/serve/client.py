@@ -1,7 +1,7 @@
 """HTTP conversations of ``rapidspec bench serve`` with a server: one timed chat request, and the probes.
 
 :func:`send_request` posts one body to ``/v1/chat/completions`` and times the
-answer (streamed or not) into a :class:`~rapidspec.evaluation.serve_stats.RequestResult`;
+answer (streamed or not) into a :class:`~rapidspec.bench.serve.stats.RequestResult`;
 it never raises for anything the server or the network does. The probes read
 ``/health``, ``/v1/models`` and the counters of ``/metrics``.
 """
@@ -16,8 +16,8 @@ import time
 import httpx
 
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.serve_stats import RequestResult
-from rapidspec.server.replicas import SESSION_HEADER  # what `rapidspec serve --replicas` keeps on one replica
+from rapidspec.bench.serve.stats import RequestResult
+from rapidspec.scale import SESSION_HEADER  # what `rapidspec serve --replicas` keeps on one replica
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What ``rapidspec bench`` records: one timed run, the medians per mode and input, the whole report.
 
-Plain dataclasses shared by the timing harness (:mod:`rapidspec.evaluation.speed`),
-the ``llama.cpp`` peer (:mod:`rapidspec.evaluation.llama_peer`), the CLI's
+Plain dataclasses shared by the timing harness (:mod:`rapidspec.bench.speed`),
+the ``llama.cpp`` peer (:mod:`rapidspec.bench.llama_peer`), the CLI's
 tables and the figures.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from rapidspec.evaluation.bench_inputs import Sweep
+from rapidspec.bench.inputs import Sweep
 
 
 @dataclass

@@ -23,7 +23,7 @@ Contract:
   decode time: that is where transformers pays it. Acceptance counters are
   not exposed by transformers and are reported as missing.
 * ``llama.cpp`` is plain greedy decoding of the target's GGUF file on
-  llama.cpp (:mod:`rapidspec.evaluation.llama_peer`), the peer a CPU user
+  llama.cpp (:mod:`rapidspec.bench.llama_peer`), the peer a CPU user
   would pick, on the same prompt tokens as ``lc``.
 
 Pure library: no printing; progress goes to an optional callback.
@@ -40,10 +40,10 @@ import torch
 from rapidspec.config import MODES, DecodeConfig
 from rapidspec.drafting import TARGET_READS_RETRIEVED, USES_DRAFTER
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.bench_results import BenchReport, Measurement, Result
-from rapidspec.evaluation.memory import GIB, PeakMemory
+from rapidspec.bench.results import BenchReport, Measurement, Result
+from rapidspec.bench.memory import GIB, PeakMemory
 from rapidspec.prompts import prompt_ids
-from rapidspec.evaluation.bench_inputs import (  # noqa: F401  (re-exported)
+from rapidspec.bench.inputs import (  # noqa: F401  (re-exported)
     HF_ASSISTED,
     LLAMA_CPP,
     BENCH_MODES,
@@ -174,7 +174,7 @@ def measure(
 ) -> Measurement:
     """One timed generation of ``variant`` on ``item``, with the peak memory it reached.
 
-    ``peer``: the :class:`~rapidspec.evaluation.llama_peer.LlamaCppPeer` that runs mode ``llama.cpp``;
+    ``peer``: the :class:`~rapidspec.bench.llama_peer.LlamaCppPeer` that runs mode ``llama.cpp``;
     ``prefill_progress(done, total)``: hears of the engine's target prefill chunks.
     """
     devices = {engine.target.model.device}
@@ -288,7 +288,7 @@ def run_benchmark(
     note = progress or (lambda message: None)
     peer = None
     if any(v.mode == LLAMA_CPP for v in columns):
-        from rapidspec.evaluation.llama_peer import LlamaCppPeer
+        from rapidspec.bench.llama_peer import LlamaCppPeer
 
         peer = LlamaCppPeer(engine, engine.drafter_threads)
 

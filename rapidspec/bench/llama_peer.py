@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from rapidspec.drafting.backends import check_llama_vocabulary, gguf_file
+from rapidspec.drafting.backends import check_llama_vocabulary
+from rapidspec.models.backend import gguf_file
 from rapidspec.errors import RapidspecError
-from rapidspec.evaluation.bench_inputs import BenchItem
-from rapidspec.evaluation.bench_results import Measurement
+from rapidspec.bench.inputs import BenchItem
+from rapidspec.bench.results import Measurement
 from rapidspec.runtime.llama_cpp import LlamaCppModel, llama_cpp_available
 
 class LlamaCppPeer:
@@ -62,7 +63,7 @@ class LlamaCppPeer:
 
     def measure(self, engine, item: BenchItem, config, reuse_prefill: bool) -> Measurement:
         """One timed run on ``item`` with ``config``'s answer length and EOS rule (a bench Measurement)."""
-        prompt = list(engine.document_prompts(item.document, item.question, config.with_(mode="lc", eta=None)).target_ids)
+        prompt = list(engine.document_prompts(item.document, item.question, config.with_mode("lc")).target_ids)
         stop_tokens = frozenset() if config.ignore_eos else engine.eos_token_ids
         tokens, prefill, decode = self.generate(prompt, config.max_new_tokens, stop_tokens, reuse_prefill)
         return Measurement(

@@ -8,39 +8,38 @@ listens on ``--host``/``--port`` and picks the replica with its
 (a conversation id) go to the same replica, whose prefix cache holds the
 conversation; requests without it are spread over the replicas. Serve restarts
 a replica that dies. ``/health`` and ``/metrics`` cover every replica
-(:mod:`rapidspec.server.fleet`).
+(:mod:`rapidspec.scale.fleet`).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import threading
 
 from rapidspec.errors import RapidspecError
-from rapidspec.ray_connect import connect_ray
-from rapidspec.server.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-from rapidspec.server.fleet import FLEET_ACTOR, FLEET_NAMESPACE, FleetBoard, FleetReporter
+from rapidspec.scale import SESSION_HEADER
+from rapidspec.scale.connect import connect_ray
+from rapidspec.scale.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from rapidspec.scale.fleet import FLEET_ACTOR, FLEET_NAMESPACE, FleetBoard, FleetReporter
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "rapidspec"
-SESSION_HEADER = "x-session-id"  # Ray Serve's default session-id header (RAY_SERVE_SESSION_ID_HEADER_KEY)
 ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 DEFAULT_REPLICA_RESOURCES = {"num_cpus": 1}
 
 
 class RapidspecReplica:
-    """One replica: the engine named by ``model_args`` behind the app of ``config``."""
+    """One replica: the engine of ``spec`` (a ModelSpec) behind the app of ``config`` (a ServerConfig)."""
 
-    def __init__(self, model_args: argparse.Namespace, config) -> None:
+    def __init__(self, spec, config) -> None:
         from ray import serve
 
-        from rapidspec.cli.options import load_engine
+        from rapidspec.engine import Rapid
 
-        self.engine = load_engine(model_args)
+        self.engine = Rapid.from_spec(spec, config.retrieval)
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
 
@@ -55,7 +54,7 @@ class RapidspecReplica:
         return app
 
 
-def deploy(model_args: argparse.Namespace, config, replicas: int, resources: dict | None = None,
+def deploy(spec, config, replicas: int, resources: dict | None = None,
            host: str = "127.0.0.1", port: int = 8000):
     """Start Serve on ``host:port`` and deploy ``replicas`` replicas (Ray must be initialized).
 
@@ -79,15 +78,15 @@ def deploy(model_args: argparse.Namespace, config, replicas: int, resources: dic
         request_router_config=RequestRouterConfig(request_router_class=ROUTER),
     )
     try:
-        serve.run(deployment.bind(model_args, config), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(deployment.bind(spec, config), name=APP_NAME, route_prefix="/", blocking=False)
     except (ValueError, TypeError) as err:
         raise RapidspecError(f"cannot deploy the replicas: {err}") from None
     return board
 
 
-def serve_replicas(model_args: argparse.Namespace, config, replicas: int, address: str | None,
+def serve_replicas(spec, config, replicas: int, address: str | None,
                    resources: dict | None, host: str, port: int) -> int:
-    """``rapidspec serve --replicas N``: deploy, then serve until SIGTERM or Ctrl-C."""
+    """``rapidspec serve --replicas N``: deploy the engines of ``spec`` (a ModelSpec), then serve until SIGTERM or Ctrl-C."""
     if port == 0:
         raise RapidspecError("--replicas needs a --port (Ray Serve's proxy does not pick a free one)")
     if address is None:  # the local instance's proxy answers its own errors with OpenAI's body
@@ -97,7 +96,7 @@ def serve_replicas(model_args: argparse.Namespace, config, replicas: int, addres
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        board = deploy(model_args, config, replicas, resources, host, port)  # noqa: F841  (held while serving)
+        board = deploy(spec, config, replicas, resources, host, port)  # noqa: F841  (held while serving)
         logger.info("serving %d replica(s) on http://%s:%d (send %s to keep a conversation on one replica)",
                     replicas, host, port, SESSION_HEADER)
         stop.wait()

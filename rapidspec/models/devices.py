@@ -18,6 +18,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+#: The dtype names a user may give (``auto`` picks bfloat16 where it is native, else float32).
+DTYPE_NAMES: tuple[str, ...] = ("auto", *_DTYPES)
 
 
 @functools.lru_cache(maxsize=1)

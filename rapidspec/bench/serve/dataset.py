@@ -59,7 +59,7 @@ def builtin_requests(document_tokens: int | None = None) -> list[BenchRequest]:
 
 def file_requests(path: str | Path, locomo_sessions: int = 2) -> list[BenchRequest]:
     """The requests of a ``{document, question}`` records file or of a LoCoMo file (detected from its content)."""
-    from rapidspec.evaluation.bench_inputs import load_items
+    from rapidspec.bench.inputs import load_items
 
     path = Path(path)
     if not path.is_file():

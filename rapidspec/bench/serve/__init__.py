@@ -1,0 +1,11 @@
+"""``rapidspec bench serve``: load an OpenAI-compatible server over HTTP and summarize what it did.
+
+* :mod:`.dataset`: the requests (built-in document questions, a file's items,
+  LoCoMo conversations as multi-turn sessions);
+* :mod:`.client`: one request, streamed, timed token by token;
+* :mod:`.load`: the load (request rate, concurrency, sessions, disconnects);
+* :mod:`.stats`: TTFT, TPOT, ITL and end-to-end percentiles, throughput;
+* :mod:`.process`: a ``rapidspec serve`` process started for the run.
+
+HTTP only: importing this package loads neither torch nor FastAPI (a test checks).
+"""

@@ -1,0 +1,109 @@
+"""Which drafter a generation gets: the engine asks :class:`DrafterFactory`, it never builds one.
+
+The factory owns what drafts for an engine: the drafter source (None for
+self-speculation, a loaded model, or a name loaded by torch on first use),
+the backend chosen once from ``auto`` (:func:`~rapidspec.drafting.backends.choose_backend`),
+a pool per backend (made on first use, keeping the last cache for the next
+prompt) and the drafter's relation to the target, which decides the default
+eta (:mod:`.eta_default`). :meth:`DrafterFactory.start` returns the drafter of
+one generation for the mode's drafter kind (:mod:`.modes`): a model drafter
+(:class:`~rapidspec.drafting.drafter.ModelDrafter`), a lookup drafter, or None.
+A new drafter kind is a class following :class:`~rapidspec.drafting.drafter.Drafter`
+and a branch here, not in the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters
+from rapidspec.models.backend import choose_backend, gguf_file
+from rapidspec.drafting.eta_default import drafter_relation
+from rapidspec.drafting.lookup import LookupDrafter
+from rapidspec.drafting.modes import MODE_TABLE
+from rapidspec.errors import RapidspecError
+from rapidspec.models.vocabulary import check_same_vocabulary, logit_width
+
+
+class DrafterFactory:
+    """The drafters of one engine over ``target``: see the module docstring."""
+
+    def __init__(self, target, drafter=None, backend: str = "auto", threads: int | None = None,
+                 prefill_chunk_tokens: int = 2048, keep: bool = True) -> None:
+        if drafter is not None and not isinstance(drafter, str) and drafter is not target:
+            check_same_vocabulary(target.tokenizer, drafter.tokenizer)
+        self.target = target
+        self._source = drafter  # None, a loaded model, or a name (loaded on first torch use)
+        self.threads = torch.get_num_threads() if threads is None else threads
+        if self.threads < 1:
+            raise RapidspecError(f"drafter_threads must be >= 1, got {threads}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.keep = keep
+        self.backend = choose_backend(backend, target, drafter)
+        self._pools: dict[str, object] = {}
+        self._relation: str | None = None
+        # Logits beyond the smaller vocabulary (embedding padding) are never real tokens.
+        self.vocab_size = min(logit_width(target.model), self.pool(self.backend).logit_width)
+
+    @property
+    def model(self):
+        """The torch drafter model (the target for self-speculation), loaded on first use when given by name."""
+        if isinstance(self._source, str):
+            from rapidspec.models import load_model
+
+            self._source = load_model(self._source, dtype=self.target.dtype, device=self.target.device)
+            check_same_vocabulary(self.target.tokenizer, self._source.tokenizer)
+        return self.target if self._source is None else self._source
+
+    @property
+    def relation(self) -> str:
+        """``self``, ``larger`` or ``smaller`` (:mod:`.eta_default`), decided once."""
+        if self._relation is None:
+            self._relation = drafter_relation(self.target, self._source)
+        return self._relation
+
+    @property
+    def label(self) -> str:
+        """What drafts by default, e.g. ``self (llama.cpp, llama 256M Q4_1)``."""
+        return self.pool(self.backend).label
+
+    def pool(self, backend: str):
+        """The drafter pool of ``backend`` (``auto``: the default one), made on first use."""
+        if backend == "auto":
+            backend = self.backend
+        if backend not in self._pools:  # checked once, when the pool is made (not on every request)
+            backend = choose_backend(backend, self.target, self._source)
+            source = self._source
+            name = "self" if source is None else getattr(source, "label", str(source))
+            if backend == "llama.cpp":
+                gguf = gguf_file(self.target if source is None else source)
+                self._pools[backend] = LlamaCppDrafters(gguf, self.threads, self.target.tokenizer, name, keep=self.keep)
+            else:
+                self._pools[backend] = TorchDrafters(self.model, self.prefill_chunk_tokens, name, keep=self.keep)
+        return self._pools[backend]
+
+    def max_context(self, config) -> int | None:
+        """The drafter's window for ``config`` (None: no model drafter, or no limit of its own)."""
+        if MODE_TABLE[config.mode].drafter_kind != "model":
+            return None
+        return self.pool(config.drafter_backend).max_context or None
+
+    def start(self, prompts, config, stats, device: torch.device):
+        """The drafter of this generation, prefilled on its prompt (None for modes without one)."""
+        kind = MODE_TABLE[config.mode].drafter_kind
+        if kind is None or prompts.drafter_ids is None:
+            return None
+        if kind == "lookup":
+            stats.drafter = "lookup"
+            return LookupDrafter(list(prompts.drafter_ids), self.vocab_size, device)
+        pool = self.pool(config.drafter_backend)
+        stats.drafter = pool.label
+        room = config.max_new_tokens + config.max_gamma + 2
+        vocab = min(logit_width(self.target.model), pool.logit_width)
+        drafter, stats.drafter_prefill_reused_tokens = pool.start(prompts.drafter_ids, room, vocab, device)
+        return drafter
+
+    def clear(self) -> None:
+        """Forget the caches the pools keep (the next drafter prefill starts from scratch)."""
+        for pool in self._pools.values():
+            pool.clear()

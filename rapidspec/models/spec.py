@@ -1,0 +1,81 @@
+"""What a run loads, decided once: :class:`ModelSpec`.
+
+The command line builds one from its model options, one to one; the server,
+``rapidspec eval`` and the Ray workers (:mod:`rapidspec.scale`) take it and
+call :meth:`ModelSpec.load` (or :meth:`rapidspec.Rapid.from_spec`), so a
+process on another machine loads exactly what the command named. Invalid values raise
+:class:`~rapidspec.errors.RapidspecError` on construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rapidspec.models.backend import DRAFTER_BACKENDS
+from rapidspec.errors import RapidspecError
+from rapidspec.models.devices import DTYPE_NAMES
+from rapidspec.models.loading import RUNTIMES
+from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
+from rapidspec.runtime.quantization import QUANTIZATIONS
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The target and drafter of a run and how to load them.
+
+    ``drafter``: None drafts with the target's weights (a low-bit copy when
+    ``drafter_quantize`` differs from ``quantize``); a name that runs on
+    llama.cpp (``drafter_backend`` auto or llama.cpp, a GGUF file, no torch
+    quantization) is read there as it is and loaded by torch only if a request
+    asks for torch. ``drafter_threads``: llama.cpp's threads (None: torch's);
+    ``prefix_cache_gib``: the engine's store of target caches.
+    """
+
+    target: str = "builtin"
+    drafter: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    drafter_device: str | None = None
+    quantize: str = "none"
+    drafter_quantize: str = "none"
+    runtime: str = "auto"
+    drafter_backend: str = "auto"
+    drafter_threads: int | None = None
+    prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("dtype", DTYPE_NAMES), ("quantize", QUANTIZATIONS), ("drafter_quantize", QUANTIZATIONS),
+                              ("runtime", RUNTIMES), ("drafter_backend", DRAFTER_BACKENDS)):
+            if getattr(self, name) not in allowed:
+                raise RapidspecError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not self.target or not str(self.target).strip():
+            raise RapidspecError("the target model name is empty")
+        if self.drafter_threads is not None and self.drafter_threads < 1:
+            raise RapidspecError(f"drafter_threads must be >= 1, got {self.drafter_threads}")
+        if self.prefix_cache_gib < 0:
+            raise RapidspecError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
+
+    def load(self):
+        """(target, drafter): loaded models, the drafter None (self) or a name when llama.cpp reads it."""
+        from rapidspec import models  # looked up at call time: tests replace models.load_model
+
+        target = models.load_model(self.target, dtype=self.dtype, device=self.device, quantize=self.quantize,
+                                   runtime=self.runtime)
+        if self.drafter is not None and self._drafter_on_llama_cpp(target):
+            return target, self.drafter
+        if self.drafter is not None:
+            return target, models.load_model(self.drafter, dtype=self.dtype, device=self.drafter_device or self.device,
+                                             quantize=self.drafter_quantize, runtime=self.runtime)
+        if self.drafter_quantize in ("none", self.quantize):
+            return target, None
+        # a self-drafter with other weights: a copy of the float target, or the target loaded again
+        if self.quantize == "none":
+            return target, models.low_bit_copy(target, self.drafter_quantize, name="self")
+        again = models.load_model(self.target, dtype=self.dtype, device=self.device, quantize=self.drafter_quantize,
+                                  runtime=self.runtime)
+        return target, replace(again, name="self")
+
+    def _drafter_on_llama_cpp(self, target) -> bool:
+        from rapidspec.models.backend import choose_backend
+
+        return self.drafter_quantize == "none" and choose_backend(self.drafter_backend, target, self.drafter) == "llama.cpp"

@@ -1,0 +1,175 @@
+"""Serving one generation request: queue it on the worker, then answer it whole or as server-sent events.
+
+The request's texts are sized up off the engine thread
+(:mod:`rapidspec.server.tokens`), so one that cannot fit is refused without
+holding the engine; then the job is queued on the
+:class:`~rapidspec.server.worker.Worker` (429 when the queue is full) and
+answered once the engine has built its prompts (so a prompt that does not fit
+the window is a 400 even when streaming). A client that goes away is noticed
+within ``disconnect_poll_seconds``, streaming or not: a waiting request leaves
+the queue, a running one stops after the current round or between two prefill
+chunks. The engine's one decode loop does the work (:meth:`rapidspec.Rapid.decode`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rapidspec.conversation import parse_documents, parse_messages
+from rapidspec.runtime.errors import PrefillStopped
+from rapidspec.server.errors import failure
+from rapidspec.server.responses import FINISH_REASONS, Reply, error_response, sse
+from rapidspec.server.schemas import GenerationRequest
+from rapidspec.server.state import ServerState
+from rapidspec.server.worker import Job
+
+logger = logging.getLogger(__name__)
+
+
+class _Cancelled(Exception):
+    """The client went away."""
+
+
+class GenerationServing:
+    """Answers ``/v1/chat/completions`` and ``/v1/completions`` over one :class:`ServerState`."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def generate(self, body: GenerationRequest, request: Request, messages, chat: bool):
+        state, config = self.state, self.state.config
+        arrived = time.perf_counter()
+        state.check_model(body.model)
+        if body.unknown_fields:
+            logger.warning("ignored request fields no schema defines: %s", ", ".join(body.unknown_fields))
+        decode = body.decode_config(config.decode)
+        retrieval = body.retrieval_config(config.retrieval or state.engine.retriever.config)
+        messages = parse_messages(messages)
+        documents = parse_documents(body.documents)
+        recent = config.recent_messages if body.recent_messages is None else body.recent_messages
+        await asyncio.to_thread(state.tokens.check_fits, messages, documents, decode.truncate, state.window)
+
+        def work(emit, cancelled):  # a generator: the worker runs it a step at a time
+            prompts = state.engine.chat_prompts(messages, decode, documents=documents, query=body.query,
+                                                recent_messages=recent, raw=not chat,
+                                                retriever=state.retriever_for(retrieval))
+            if cancelled.is_set():
+                return
+            emit("ready", None)
+            yield
+            stream = state.engine.decode(prompts, decode, should_stop=cancelled.is_set, yield_prefill_chunks=True)
+            try:
+                for chunk in stream:  # one prefill chunk or one round per step
+                    if cancelled.is_set():
+                        return
+                    if chunk.text or chunk.token_ids or chunk.output is not None:
+                        emit("chunk", chunk)
+                    yield
+            except PrefillStopped:  # cancelled between two prefill chunks
+                return
+            finally:
+                stream.close()
+
+        job = state.worker.submit(work)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        reply = Reply(chat, config.model_name, include_usage,
+                      state.tokens.token_texts if decode.logprobs is not None else None)
+        try:
+            kind, payload = await self._next_event(job, request)  # "ready" once the prompts are built
+        except _Cancelled:
+            state.metrics.failed("cancelled")
+            return Response(status_code=204)
+        if kind == "error":
+            raise payload
+        if kind == "end":
+            return self._shutting_down()
+        if body.stream:
+            return StreamingResponse(self._stream_events(job, request, reply, arrived), media_type="text/event-stream")
+        return await self._complete(job, request, reply, arrived)
+
+    async def _complete(self, job: Job, request: Request, reply: Reply, arrived: float):
+        output = None
+        try:
+            while (event := await self._next_event(job, request))[0] == "chunk":
+                if output is None:
+                    self._observe_first_token(arrived)
+                output = event[1].output or output
+        except _Cancelled:
+            self.state.metrics.failed("cancelled")
+            return Response(status_code=204)
+        if event[0] == "error":
+            raise event[1]
+        if output is None:
+            return self._shutting_down()
+        self._record_finish(job, output, arrived)
+        return reply.complete(output)
+
+    def _shutting_down(self) -> JSONResponse:
+        self.state.metrics.failed("cancelled")
+        return error_response(503, "the server is shutting down", "server_error", None, "shutting_down")
+
+    async def _stream_events(self, job: Job, request: Request, reply: Reply, arrived: float):
+        first, finished, failed = True, False, False
+        try:
+            yield sse(reply.chunk(role=True) if reply.chat else reply.chunk(text=""))
+            while True:
+                kind, payload = await self._next_event(job, request)
+                if kind == "error":
+                    failed = True
+                    yield sse(failure(payload, self.state.metrics)[1])
+                    break
+                if kind != "chunk":
+                    break
+                if first and (payload.text or payload.token_ids):
+                    self._observe_first_token(arrived)
+                    first = False
+                if payload.text or (payload.logprobs and reply.token_texts):
+                    yield sse(reply.chunk(text=payload.text, logprobs=payload.logprobs))
+                if payload.output is not None:
+                    self._record_finish(job, payload.output, arrived)
+                    finished = True
+                    for last in reply.last_chunks(payload.output):
+                        yield sse(last)
+            yield sse("[DONE]")
+        except _Cancelled:
+            pass
+        finally:
+            if not finished:
+                job.cancel()  # the client went away: stop after the current round
+                if not failed:
+                    self.state.metrics.failed("cancelled")
+
+    async def _next_event(self, job: Job, request: Request) -> tuple[str, object]:
+        """The job's next event; raises _Cancelled (and cancels the job) when the client has gone.
+
+        The client is asked at least every ``disconnect_poll_seconds``, also while events keep coming.
+        """
+        poll = self.state.config.disconnect_poll_seconds
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), poll)
+            except asyncio.TimeoutError:
+                event = None
+            now = time.monotonic()
+            if event is None or now - job.checked >= poll:
+                job.checked = now
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise _Cancelled()
+            if event is not None:
+                return event
+
+    def _observe_first_token(self, arrived: float) -> None:
+        self.state.metrics.time_to_first_token.labels(self.state.config.model_name).observe(time.perf_counter() - arrived)
+
+    def _record_finish(self, job: Job, output, arrived: float) -> None:
+        metrics, name = self.state.metrics, self.state.config.model_name
+        metrics.e2e_latency.labels(name).observe(time.perf_counter() - arrived)
+        if job.started is not None:
+            metrics.queue_time.labels(name).observe(job.started - job.submitted)
+        metrics.finished(output.stats, FINISH_REASONS[output.stats.stop_reason])

@@ -1,0 +1,78 @@
+"""What every route of one app shares: :class:`ServerState` (the engine, its queue, metrics and limits).
+
+Built once by :func:`rapidspec.server.app.create_app` and kept as
+``app.state.server``; routes reach it with the :func:`server_state` dependency.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+
+from fastapi import Request
+
+from rapidspec.drafting.eta_default import resolve_eta
+from rapidspec.errors import RapidspecError
+from rapidspec.retrieval import RetrievalConfig, Retriever
+from rapidspec.server.capacity import concurrent_sequences, free_memory_bytes, kv_bytes_per_token
+from rapidspec.server.metrics import ServerMetrics
+from rapidspec.server.tokens import ServerTokens
+from rapidspec.server.worker import Worker
+
+#: Retrievers of other retrieval settings kept for requests (least recently used dropped beyond this).
+KEPT_RETRIEVERS = 4
+
+
+class ServerState:
+    """The engine behind one app and what surrounds it: window, worker, metrics, tokens, retrievers, fleet."""
+
+    def __init__(self, engine, config, fleet=None) -> None:
+        window = config.decode.max_model_len or engine.target.max_context
+        if window > engine.target.max_context:
+            raise RapidspecError(f"max_model_len={window} exceeds the model's {engine.target.max_context}-token window")
+        self.engine, self.config, self.fleet, self.window = engine, config, fleet, window
+        slots = concurrent_sequences(config.max_num_seqs, window, kv_bytes_per_token(engine.target),
+                                     free_memory_bytes(engine.target.device), engine.prefix_cache.max_bytes)
+        self.worker = Worker(config.max_queue, slots)
+        self.metrics = ServerMetrics(config.model_name, waiting=lambda: self.worker.waiting,
+                                     running=lambda: self.worker.running)
+        self.tokens = ServerTokens(engine.tokenizer, config.max_document_tokens or 4 * window)
+        self.started = int(time.time())
+        self._retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()  # used on the worker thread only
+        self.default_eta, self.eta_reason = resolve_eta(config.decode.with_(mode="rapid"), engine.drafter_relation)
+
+    def check_model(self, name: str | None) -> None:
+        """A request naming another model than the one served is a 404 (as OpenAI answers)."""
+        if name is not None and name != self.config.model_name:
+            raise RapidspecError(f"the model {name!r} is not served here; this server serves "
+                                 f"{self.config.model_name!r}", param="model", code="model_not_found")
+
+    def retriever_for(self, wanted: RetrievalConfig) -> Retriever:
+        """The engine's retriever, or one of ``wanted``'s settings sharing its embedder (a few kept)."""
+        engine = self.engine
+        if wanted == engine.retriever.config:
+            return engine.retriever
+        if wanted not in self._retrievers:
+            self._retrievers[wanted] = Retriever(wanted, tokenizer=engine.tokenizer,
+                                                 embedder=engine.retriever.loaded_embedder)
+            while len(self._retrievers) > KEPT_RETRIEVERS:
+                self._retrievers.popitem(last=False)
+        self._retrievers.move_to_end(wanted)
+        return self._retrievers[wanted]
+
+    def local_health(self) -> dict:
+        """This engine's ``/health`` body (a replica's report to the fleet board too)."""
+        engine, config, worker = self.engine, self.config, self.worker
+        reason = "given by --eta" if self.eta_reason == "given" else self.eta_reason
+        return {"status": "ok", "model": config.model_name, "pid": os.getpid(), "running": worker.running,
+                "rapid_eta": {"default": self.default_eta.eta, "reason": reason, "drafter": engine.drafter_label,
+                              "drafter_relation": engine.drafter_relation},
+                "waiting": worker.waiting, "max_num_seqs": worker.max_num_seqs, "max_queue": config.max_queue,
+                "prefix_cache": {"entries": len(engine.prefix_cache), "bytes": engine.prefix_cache.bytes_used,
+                                 "max_bytes": engine.prefix_cache.max_bytes}}
+
+
+def server_state(request: Request) -> ServerState:
+    """The FastAPI dependency giving a route its app's :class:`ServerState`."""
+    return request.app.state.server

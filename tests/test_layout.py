@@ -1,0 +1,110 @@
+"""The package's shape: one folder per concern, nothing importing upward, no import circles, a light load client."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "rapidspec"
+#: Folder -> the folders (or root modules) it must never import, at module level or inside a function.
+FORBIDDEN = {
+    "runtime": {"engine", "drafting", "models", "retrieval", "server", "scale", "evaluation", "bench", "cli"},
+    "retrieval": {"engine", "drafting", "models", "server", "scale", "evaluation", "bench", "cli"},
+    "models": {"engine", "drafting", "server", "scale", "evaluation", "bench", "cli"},
+    "drafting": {"engine", "server", "scale", "evaluation", "bench", "cli"},
+    "server": {"scale", "evaluation", "bench", "cli"},
+    "evaluation": {"server", "scale", "bench", "cli"},
+    "scale": {"bench", "cli"},
+    "bench": {"server", "cli"},
+}
+
+
+def imports(path: Path, module_level_only: bool = False) -> set[str]:
+    """The rapidspec modules ``path`` imports (``rapidspec.x.y``), optionally only those at module level."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = tree.body if module_level_only else ast.walk(tree)
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "rapidspec":
+            base = node.module
+            out |= {f"{base}.{a.name}" if (PACKAGE / "/".join(base.split(".")[1:]) / a.name).exists()
+                    or (PACKAGE / "/".join(base.split(".")[1:]) / f"{a.name}.py").exists() else base
+                    for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "rapidspec"}
+    return out
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_folder_imports_upward():
+    offences = []
+    for path in files():
+        parts = path.relative_to(PACKAGE).parts
+        if len(parts) < 2 or parts[0] not in FORBIDDEN:
+            continue
+        for target in imports(path):
+            top = target.split(".")[1] if "." in target else ""
+            if top in FORBIDDEN[parts[0]]:
+                offences.append(f"{path.relative_to(PACKAGE)} imports {target}")
+    assert not offences, offences
+
+
+def test_only_the_command_line_imports_the_command_line():
+    users = [module_name(p) for p in files() if any(t.startswith("rapidspec.cli") for t in imports(p))
+             and not module_name(p).startswith("rapidspec.cli") and module_name(p) != "rapidspec.__main__"]
+    assert users == []
+
+
+def test_no_import_circles_at_module_level():
+    graph = {module_name(p): {t for t in imports(p, module_level_only=True)} for p in files()}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    circles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for nxt in sorted(graph.get(name, ())):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    # A package importing its own submodules in __init__ is the one allowed loop shape.
+    circles = [c for c in circles if not all(part.startswith(c.split(" -> ")[0]) for part in c.split(" -> "))]
+    assert not circles, circles
+
+
+def test_small_root_and_a_short_engine():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 14, root
+    assert len((PACKAGE / "engine.py").read_text(encoding="utf-8").splitlines()) < 400
+
+
+def test_the_load_client_imports_neither_torch_nor_fastapi():
+    code = ("import sys, rapidspec.bench.serve.load, rapidspec.bench.serve.client, rapidspec.bench.serve.dataset, "
+            "rapidspec.bench.serve.process, rapidspec.bench.serve.stats; "
+            "print(sorted(m for m in ('torch', 'fastapi', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_evaluation_holds_no_http_or_ray_code():
+    for path in (PACKAGE / "evaluation").glob("*.py"):
+        source = path.read_text(encoding="utf-8")
+        for name in ("import ray", "from ray", "import httpx", "from fastapi", "import fastapi"):
+            assert name not in source, f"{path.name}: {name}"
