@@ -316,7 +316,7 @@ class Rapid:
             verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, run.params, run.generator)
             bonus_row, asked = None, verdict.next_token is None
             if asked:
-                bonus_row = drafter.bonus_row(config, run.stop_tokens, run.sync)
+                bonus_row = None if drafter is None else drafter.bonus_row(config, run.stop_tokens, run.sync)
                 next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, run.params, run.generator)
                 verdict = sampling.Verdict(verdict.accepted, next_token)
             if drafter is not None:

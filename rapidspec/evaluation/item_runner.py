@@ -77,10 +77,6 @@ class ItemRunner:
             self._drafter_engine = Rapid(self.engine.drafter, drafter_backend="torch")
         return self._drafter_engine
 
-    def _separate_drafter(self, engine):
-        """The drafter's torch model when the drafter is not the target's weights, else None."""
-        return engine.drafter if separate_drafter(self.config) else None
-
     def run(self, item: EvalItem, variant) -> dict:
         """The scored record of ``item`` under ``variant`` (:mod:`.variants`), without ``config``."""
         limit = self.options.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[item.task_type]
@@ -108,7 +104,8 @@ class ItemRunner:
             self._views = ViewScorer(self.options.logprobs, engine.vocab_size, engine.eos_token_ids,
                                      lambda token: engine.tokenizer.decode([token]))
         return answer_views(self._views, engine, item, run, output.token_ids, ended=output.stats.stop_reason == "eos",
-                            drafter_model=self._separate_drafter(engine), corpus=corpus, retriever=retriever)
+                            drafter_model=engine.drafter if separate_drafter(self.config) else None, corpus=corpus,
+                            retriever=retriever)
 
     @staticmethod
     def _record(item: EvalItem, variant, output) -> dict:
