@@ -80,8 +80,9 @@ class Rapid:
         self.tokenizer = target.tokenizer
         self.template = template or PromptTemplate()
         self.retriever = Retriever(retrieval or RetrievalConfig(), tokenizer=self.tokenizer)
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.reuse_document_cache = reuse_document_cache
+        self.prefill_chunk_tokens, self.reuse_document_cache = prefill_chunk_tokens, reuse_document_cache
+        if prefix_cache_gib < 0:
+            raise RapidspecError(f"prefix_cache_gib must be >= 0, got {prefix_cache_gib}")
         self.prefix_cache = PrefixCache(int(prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
         self.eos_token_ids = eos_token_ids(target)
         self.drafting = DrafterFactory(target, drafter, drafter_backend, drafter_threads, prefill_chunk_tokens,
@@ -259,10 +260,6 @@ class Rapid:
     def clear_document_cache(self) -> None:
         """Forget every stored target cache and the drafters' kept caches (the next prefills start from scratch)."""
         self.prefix_cache.clear()
-        self.drafting.clear()
-
-    def clear_drafter_caches(self) -> None:
-        """Forget the drafter caches the backends keep (the next drafter prefill starts from scratch)."""
         self.drafting.clear()
 
     # ------------------------------------------------------------ internals

@@ -290,7 +290,7 @@ def run_benchmark(
     if any(v.mode == LLAMA_CPP for v in columns):
         from rapidspec.bench.llama_peer import LlamaCppPeer
 
-        peer = LlamaCppPeer(engine, engine.drafter_threads)
+        peer = LlamaCppPeer(engine, engine.drafting.threads)
 
     if warmup:
         short = BenchItem(items[0].document[:WARMUP_CHARS], items[0].question)
@@ -309,7 +309,7 @@ def run_benchmark(
             for variant in columns:
                 where = f"length {item.length}" if item.length else f"record {index + 1}"
                 note(f"{where}, repeat {repeat + 1}/{repeats}: {variant.label}")
-                engine.clear_drafter_caches()  # only the target's prefill is shared: every run prefills its drafter
+                engine.drafting.clear()  # only the target's prefill is shared: every run prefills its drafter
                 run = measure(engine, item, variant, base, profile, peer=peer, reuse_prefill=share_prefill,
                               prefill_progress=prefill_progress)
                 if share_prefill and variant.mode in FULL_CONTEXT_MODES:

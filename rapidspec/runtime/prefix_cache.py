@@ -32,7 +32,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rapidspec.errors import RapidspecError
 from rapidspec.runtime.cache import KVCache, common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ class PrefixCache:
 
     def __init__(self, max_bytes: int, min_reused_tokens: int = 64) -> None:
         if max_bytes < 0:
-            raise RapidspecError(f"the prefix cache size must be >= 0, got {max_bytes} bytes")
+            raise ValueError(f"the prefix cache size must be >= 0, got {max_bytes} bytes")
         self.max_bytes = int(max_bytes)
         self.min_reused_tokens = min_reused_tokens
         self.counters = PrefixCacheCounters()
