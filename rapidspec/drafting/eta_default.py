@@ -19,10 +19,11 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+from rapidspec.drafting.modes import MODE_TABLE
+
 logger = logging.getLogger(__name__)
 
 Relation = Literal["self", "larger", "smaller"]
-RELATIONS: tuple[str, ...] = ("self", "larger", "smaller")
 #: Chosen from the dev studies in docs/quality.md ("The defaults and their evidence").
 DEFAULT_ETA: dict[str, float] = {"self": 5.0, "larger": 5.0, "smaller": 2.0}
 #: A drafter with fewer parameters than this share of the target's counts as smaller.
@@ -65,8 +66,6 @@ def drafter_relation(target, drafter) -> Relation:
 
 def resolve_eta(config, kind: Relation, warnings: EtaWarnings | None = None):
     """(``config`` with a concrete eta, where it came from): ``given``, a default's reason, or None outside rapid."""
-    from rapidspec.drafting.modes import MODE_TABLE
-
     if not MODE_TABLE[config.mode].eta:
         return config, None
     if config.eta is None:

@@ -34,7 +34,6 @@ from collections.abc import Sequence
 
 import torch
 
-from rapidspec.errors import RapidspecError
 from rapidspec.runtime import new_kv_cache
 
 #: Answer positions kept per record: enough to read a choice letter ("(B)") or the start of an answer.
@@ -108,8 +107,6 @@ def answer_views(scorer: ViewScorer, engine, item, config, answer: Sequence[int]
     ``drafter_model``: the drafter's torch model when it is not the target (adds the ``drafter`` view);
     ``corpus``: what retrieval read instead of the document; ``retriever``: the one the answer used.
     """
-    if item.messages:
-        raise RapidspecError("--logprobs applies to questions about documents, not to chat-form items")
     answer = [int(t) for t in answer]
     positions = max(1, min(POSITIONS, len(answer) + int(ended)))
     full = engine.document_prompts(item.document, item.question, config.with_mode("lc"), query=item.query,
