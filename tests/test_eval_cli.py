@@ -8,6 +8,7 @@ import pytest
 
 import rapidspec.cli.eval as eval_cli
 from rapidspec.cli import main
+from rapidspec.drafting.eta_default import DEFAULT_ETA
 from tests.test_eval_datasets import write_leval, write_longbench2
 
 SMALL_RETRIEVAL = ["--retrieval", "bm25", "--chunk-tokens", "64", "--budget-tokens", "128"]
@@ -33,7 +34,7 @@ def test_eval_end_to_end_and_resume(tiny_cli, tmp_path, capsys):
     assert summary["items"] == 2 and summary["new_records"] == 6 and summary["modes"] == ["lc", "rag", "rapid"]
     assert any("mean [95% CI]" in line for line in out)  # the rich table precedes the JSON line
     rows = {row["mode"]: row for row in summary["summary"]}
-    assert rows["rapid"]["n"] == 2 and rows["rapid"]["metric"] == "choice_accuracy" and rows["rapid"]["eta"] == 5.0
+    assert rows["rapid"]["n"] == 2 and rows["rapid"]["metric"] == "choice_accuracy" and rows["rapid"]["eta"] == DEFAULT_ETA["self"]
     (who,) = summary["breakdown"]  # the Figure 2 split of rapid's answers by lc's and rag's
     assert who["mode"] == "rapid" and who["n"] == 2 and sum(who["items"].values()) == 2
     assert any("only here" in line for line in out)

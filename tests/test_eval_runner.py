@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from rapidspec.drafting.eta_default import DEFAULT_ETA
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import load_items
 from rapidspec.evaluation.runner import record_key, retrieval_corpora, run_eval, summarize
@@ -50,7 +51,7 @@ def test_records_and_summary(items, tiny_model, tmp_path):
     assert {"prediction", "gold", "score", "metrics", "stats", "config"} <= first.keys()
     assert first["stats"]["new_tokens"] <= 4
     rapid = [r for r in records if r["mode"] == "rapid"]
-    assert all(r["eta"] == 5.0 and r["gamma"] == 6 for r in rapid)
+    assert all(r["eta"] == DEFAULT_ETA["self"] and r["gamma"] == 6 for r in rapid)
     assert all(r["eta"] == 0.0 and r["gamma"] is None for r in records if r["mode"] == "lc")
     rows = {(row.group, row.mode): row for row in result.summary}
     assert set(rows) == {(g, m) for g in ("leval/quality", "longbench2") for m in MODES}
