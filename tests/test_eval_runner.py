@@ -103,7 +103,7 @@ def test_new_eta_or_gamma_adds_rapid_records_only(items, tiny_model, tmp_path):
     result = run(items[:1], tiny_model, path, eta=0.5, gamma=3)
     assert result.new_records == 1  # lc and rag do not depend on eta or gamma
     records = read(path)
-    assert sorted((r["eta"], r["gamma"]) for r in records if r["mode"] == "rapid") == [(0.5, 3), (5.0, 6)]
+    assert sorted((r["eta"], r["gamma"]) for r in records if r["mode"] == "rapid") == sorted([(0.5, 3), (DEFAULT_ETA["self"], 6)])
 
 
 def test_config_mismatch_is_an_error_unless_overwrite(items, tiny_model, tmp_path):

@@ -74,5 +74,12 @@ def test_a_cache_larger_than_the_bound_is_not_kept(tiny_model):
 
 
 def test_negative_size_is_refused():
-    with pytest.raises(RapidspecError, match="prefix cache"):
+    with pytest.raises(ValueError, match="prefix cache"):
         PrefixCache(max_bytes=-1)
+
+
+def test_the_engine_refuses_a_negative_prefix_cache_in_one_line(tiny_model):
+    from rapidspec import Rapid
+
+    with pytest.raises(RapidspecError, match="prefix_cache_gib must be >= 0"):
+        Rapid(tiny_model, prefix_cache_gib=-1)
