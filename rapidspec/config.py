@@ -20,6 +20,9 @@ Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
 GAMMA_SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "cost")
 #: Smallest temperature that samples; below it logits / T overflow (0 is greedy).
 MIN_TEMPERATURE = 1e-5
+#: The largest temperature and eta: z / T and eta * g stay finite in float32 (and far past any useful value).
+MAX_TEMPERATURE = 1e4
+MAX_ETA = 1e4
 #: Upper bounds of the knobs that size memory or work, so no request can ask for gigabytes (a server's
 #: requests map onto these fields): drafted tokens per round, token counts, stop strings, top log-probs.
 MAX_GAMMA = 64
@@ -109,8 +112,8 @@ class DecodeConfig:
         if self.mode not in MODES:
             raise RapidspecError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.eta is not None:
-            if not math.isfinite(self.eta) or self.eta < 0:
-                raise RapidspecError(f"eta must be a finite number >= 0, got {self.eta}")
+            if not (0 <= self.eta <= MAX_ETA):  # NaN fails too
+                raise RapidspecError(f"eta must be a number in [0, {MAX_ETA:g}], got {self.eta}")
             if self.eta > 0 and not MODE_TABLE[self.mode].eta:
                 raise RapidspecError(f"eta applies to mode 'rapid' only; mode {self.mode!r} uses eta = 0")
         _check_count("gamma", self.gamma, 1, MAX_GAMMA)
@@ -121,8 +124,8 @@ class DecodeConfig:
             raise RapidspecError(f"max_gamma ({self.max_gamma}) must be >= gamma ({self.gamma})")
         if not (0.0 <= self.draft_confidence < 1.0):
             raise RapidspecError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise RapidspecError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 <= self.temperature <= MAX_TEMPERATURE):
+            raise RapidspecError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T would overflow to inf
             raise RapidspecError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature:g}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):

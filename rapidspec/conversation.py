@@ -47,6 +47,8 @@ from rapidspec.retrieval import CHUNK_SEPARATOR
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+#: Roles read as another: ``developer`` is what OpenAI's newer models call the system prompt (as vLLM reads it).
+ROLE_ALIASES = {"developer": "system"}
 #: Earlier messages the drafter always reads verbatim (the last exchange).
 DEFAULT_RECENT_MESSAGES = 2
 DOCUMENTS_SYSTEM = "Answer using the following {source}.\n\n<documents>\n{documents}\n</documents>"
@@ -78,8 +80,10 @@ def parse_messages(raw) -> tuple[Message, ...]:
         if not isinstance(item, dict):
             raise RapidspecError(f"{where} must be an object with 'role' and 'content'", param=where)
         role, content = item.get("role"), item.get("content")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
-            raise RapidspecError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+            raise RapidspecError(f"{where}.role must be one of {', '.join([*ROLES, *ROLE_ALIASES])}, got {role!r:.60}",
+                                 param=f"{where}.role")
         messages.append(Message(role, _text_content(content, f"{where}.content")))
     if messages[-1].role != "user":
         raise RapidspecError("the last message must be a user message", param="messages")

@@ -50,6 +50,7 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [k, V]
         # Drop a token when the mass *before* it already reaches top_p.
         drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p  # [k, V]
+        drop_sorted[:, 0] = False  # the most likely token stays, however small top_p (1e-300 is 0 in float32)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -3,7 +3,7 @@
 ``read_text(path)`` returns the file decoded as UTF-8, exactly: line endings
 are kept as they are (``"\\r\\n"`` stays), only a leading byte-order mark is
 dropped. ``"-"`` reads standard input. Any problem (missing file, directory,
-permission, invalid UTF-8) raises :class:`~rapidspec.errors.RapidspecError`.
+permission, more than :data:`MAX_TEXT_BYTES`, invalid UTF-8) raises :class:`~rapidspec.errors.RapidspecError`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 from rapidspec.errors import RapidspecError
 
 STDIN = "-"
+#: The largest text read (far more than any model's window holds; /dev/zero stops here).
+MAX_TEXT_BYTES = 256 * 1024 * 1024
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
@@ -22,15 +24,19 @@ def read_text(path: str | os.PathLike[str]) -> str:
     name = "standard input" if str(path) == STDIN else str(path)
     try:
         if str(path) == STDIN:
-            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
+            data = (sys.stdin.buffer.read(MAX_TEXT_BYTES + 1) if hasattr(sys.stdin, "buffer")
+                    else sys.stdin.read(MAX_TEXT_BYTES + 1).encode("utf-8"))
         else:
-            data = Path(path).read_bytes()
+            with Path(path).open("rb") as file:
+                data = file.read(MAX_TEXT_BYTES + 1)
     except FileNotFoundError as err:
         raise RapidspecError(f"no such file: {name}") from err
     except IsADirectoryError as err:
         raise RapidspecError(f"is a directory, not a file: {name}") from err
     except OSError as err:
         raise RapidspecError(f"cannot read {name}: {err.strerror or err}") from err
+    if len(data) > MAX_TEXT_BYTES:
+        raise RapidspecError(f"{name} is larger than {MAX_TEXT_BYTES // 2**20} MiB, more text than any model reads")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:

@@ -11,6 +11,7 @@ import httpx
 import uvicorn
 
 from rapidspec.server import ServerConfig, create_app
+from rapidspec.server.http import uvicorn_config
 
 START_TIMEOUT_S = 30
 
@@ -39,14 +40,17 @@ class SlowEngine:
 
 
 @contextmanager
-def running_server(engine, **config):
-    """Yield the base URL of a server for ``engine``; stops it (bounded) on exit."""
+def running_server(engine, apps: list | None = None, **config):
+    """Yield the base URL of a server for ``engine``; stops it (bounded) on exit (``apps`` gets the app)."""
     config.setdefault("model_name", "tiny")
     config.setdefault("disconnect_poll_seconds", 0.1)
-    app = create_app(engine, ServerConfig(**config))
+    server_config = ServerConfig(**config)
+    app = create_app(engine, server_config)
+    if apps is not None:
+        apps.append(app)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, read_timeout_s=server_config.read_timeout_s,
+                                           log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

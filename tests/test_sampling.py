@@ -40,6 +40,19 @@ def test_filter_logits_top_k_and_top_p():
     assert probs[0] < 0.7 <= probs[0] + probs[1]
     # top_p smaller than the best token's probability still keeps that token.
     assert torch.isfinite(sampling.filter_logits(logits, top_p=0.01))[0].tolist() == [True, False, False, False]
+    # ... even a top_p that float32 rounds to 0 (it dropped every token: a 500 from the server)
+    assert torch.isfinite(sampling.filter_logits(logits, top_p=1e-300))[0].tolist() == [True, False, False, False]
+
+
+@pytest.mark.parametrize("field, value", [("eta", 1e300), ("eta", 1e4 + 1), ("eta", float("inf")), ("eta", float("nan")),
+                                          ("temperature", 1e300), ("temperature", float("inf"))])
+def test_float_knobs_stay_in_what_float32_carries(field, value):
+    from rapidspec.config import DecodeConfig
+    from rapidspec.errors import RapidspecError
+
+    with pytest.raises(RapidspecError, match=field):
+        DecodeConfig(**{field: value})
+    DecodeConfig(**{field: 1e4})  # the bound itself is fine
 
 
 def test_draft_gate_applies_only_where_q_is_large():

@@ -5,17 +5,16 @@ For every answer: no 5xx, OpenAI's error body ``{"error": {"message", "type",
 server still answers and /health shows nothing running or waiting. Bodies come
 from schemathesis (valid and schema-violating ones, from the app's own
 /openapi.json, derandomized and bounded; the completion and token routes) and
-from a hand-written table. The
+from a hand-written table; ``test_server_hostile`` goes on systematically. The
 engine generates at most ``CAP`` tokens whatever a body asks, so a valid body
-asking for 10**6 tokens stays cheap. The last test prints ``adversarial: N
-bodies, M 5xx``.
+asking for 10**6 tokens stays cheap. The answers are counted in
+:mod:`tests.hostile`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
 
 import httpx
 import pytest
@@ -24,32 +23,12 @@ from hypothesis import strategies as st
 
 from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
+from tests.hostile import GOOD, HI, REFUSED, CappedEngine, check, post
 from tests.server_harness import running_server
 
 schemathesis = pytest.importorskip("schemathesis")
 
-CAP = 4  # tokens the engine generates at most, per request
 EXAMPLES = 50  # schemathesis bodies per (completion route, mode); half that for the token routes
-TRIED = {"bodies": 0, "5xx": 0}
-STATUSES: Counter[int] = Counter()
-HI = [{"role": "user", "content": "hi"}]
-GOOD = {"model": "tiny", "messages": HI, "max_tokens": 3}
-REFUSED = {"tools", "tool_choice", "functions", "function_call", "logit_bias", "response_format", "n", "best_of",
-           "echo", "suffix"}  # OpenAI fields rapidspec refuses (a 400 naming them)
-
-
-class CappedEngine:
-    """The engine, generating at most CAP tokens (the server still checks the body's own max_tokens)."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def decode(self, prompts, config, **options):
-        capped = config.with_(max_new_tokens=min(config.max_new_tokens, CAP))
-        return self._engine.decode(prompts, capped, **options)
 
 
 @pytest.fixture(scope="module")
@@ -67,38 +46,6 @@ def server(engine):
 def api(server):
     spec = httpx.get(f"{server}/openapi.json", timeout=10).json()
     return schemathesis.openapi.from_dict(spec, config=schemathesis.Config())
-
-
-def check(status: int, content_type: str, content: bytes, sent=None) -> dict | None:
-    """Count one answer and check it (``sent``: the body, for the message); returns the error object of a 4xx."""
-    TRIED["bodies"] += 1
-    TRIED["5xx"] += status >= 500
-    STATUSES[status] += 1
-    text = content.decode("utf-8", "replace")
-    assert status < 500, f"{status}: {text[:500]}\nbody sent: {sent!r}"[:3000]
-    assert "Traceback" not in text and 'File "' not in text, text[:500]
-    if content_type.startswith("text/event-stream"):
-        for line in text.splitlines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event or event["error"]["type"] != "internal_error", line
-        return None
-    if status >= 400:
-        body = json.loads(text)
-        assert set(body) == {"error"}, text[:500]
-        error = body["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"], text[:500]
-        assert isinstance(error["type"], str) and (error["param"] is None or isinstance(error["param"], str))
-        return error
-    return None
-
-
-def post(server: str, path: str = "/v1/chat/completions", body=None, raw: bytes | None = None, headers=None):
-    """POST ``body`` as JSON (or ``raw`` bytes); returns (response, its 4xx error object or None)."""
-    headers = {"content-type": "application/json"} | (headers or {})
-    content = raw if raw is not None else json.dumps(body).encode()
-    response = httpx.post(f"{server}{path}", content=content, headers=headers, timeout=60)
-    return response, check(response.status_code, response.headers.get("content-type", ""), response.content)
 
 
 # ------------------------------------------------------------ property-based (schemathesis)
@@ -279,17 +226,3 @@ def test_an_api_key_guards_v1_and_metrics_but_not_health(engine):
                 assert response.status_code == 401, (path, auth, response.text)
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         assert post(url, body=GOOD, headers={"authorization": "Bearer k"})[0].status_code == 200
-
-
-# ------------------------------------------------------------ afterwards (keep last)
-def test_the_server_still_answers_and_nothing_is_left_running(server, capsys, record_property):
-    response, _ = post(server, body=GOOD)
-    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] is not None
-    health = httpx.get(f"{server}/health", timeout=10).json()
-    assert health["running"] == 0 and health["waiting"] == 0, health
-    statuses = ", ".join(f"{status}: {count}" for status, count in sorted(STATUSES.items()))
-    line = f"adversarial: {TRIED['bodies']} bodies, {TRIED['5xx']} 5xx ({statuses})"
-    record_property("adversarial", line)  # in --junitxml reports too
-    with capsys.disabled():
-        print(f"\n{line}")
-    assert TRIED["5xx"] == 0, line

@@ -138,7 +138,25 @@ def test_unknown_fields_are_ignored_with_a_warning(server, caplog):
     with caplog.at_level(logging.WARNING, logger="rapidspec.server.app"):
         response = post(server, {"messages": HI, "max_tokens": 2, **harmless})
     assert response.status_code == 200, response.text
-    assert "parallel_tool_calls, reasoning_effort, service_tier, vendor_x" in caplog.text
+    assert "4 ('parallel_tool_calls', 'reasoning_effort', 'service_tier', 'vendor_x')" in caplog.text
+
+
+def test_the_unknown_fields_log_line_is_bounded_and_escaped(server, caplog):
+    """100k unknown keys made one 2 MB line, and a key holding a newline forged a log record."""
+    body = {"messages": HI, "max_tokens": 2, "x\nERROR forged": 1, **{f"k{i:06d}": 0 for i in range(100_000)}}
+    with caplog.at_level(logging.WARNING, logger="rapidspec"):
+        response = post(server, body)
+    assert response.status_code == 200, response.text
+    [line] = [r.getMessage() for r in caplog.records if "ignored request fields" in r.getMessage()]
+    assert len(line) < 600 and "\n" not in line and "100001 (" in line and line.endswith(", ...)"), line
+
+
+def test_max_new_tokens_is_not_a_request_field(server, caplog):
+    """It was logged as ignored but applied; max_tokens is the field."""
+    with caplog.at_level(logging.WARNING, logger="rapidspec"):
+        response = post(server, {"messages": HI, "max_tokens": 3, "max_new_tokens": 1, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+    assert "max_new_tokens" in caplog.text
 
 
 def test_stream_options_needs_stream_and_usage_is_null_until_the_last_chunk(server):

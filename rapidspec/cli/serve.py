@@ -57,6 +57,9 @@ def register(subparsers) -> None:
     limits.add_argument("--request-time-limit", type=float, default=600.0,
                         help="seconds of engine time per request (the queue not counted); the answer ends there "
                              "with finish_reason length; 0 = no limit (default: %(default)s)")
+    limits.add_argument("--read-timeout", type=float, default=None,
+                        help="seconds a client may take to send a request's head (else the connection is closed) "
+                             "or pause within its body (else 408) (default: 30)")
     limits.add_argument("--allowed-origins", default="",
                         help="CORS: comma-separated origins browsers may call from, '*' for any (default: none, CORS off)")
     scale = parser.add_argument_group("replicas on Ray Serve (docs/scaling.md; the ray extra)")
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from rapidspec.server import ServerConfig, create_app
+        from rapidspec.server.http import uvicorn_config
     except ImportError as err:
         raise RapidspecError(f"rapidspec serve needs the serve extra ({err.name} is missing): "
                              "pip install 'rapidspec[serve]'") from None
@@ -98,9 +102,10 @@ def run(args: argparse.Namespace) -> int:
         recent_messages=args.recent_messages,
         max_queue=args.max_queue,
         max_num_seqs=args.max_num_seqs,
-        api_key=args.api_key or os.environ.get("RAPIDSPEC_API_KEY") or None,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("RAPIDSPEC_API_KEY"),  # "" is refused
         max_request_bytes=args.max_request_bytes,
         max_document_tokens=args.max_document_tokens,
+        **({} if args.read_timeout is None else {"read_timeout_s": args.read_timeout}),
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
     )
     if args.replicas is not None:
@@ -114,9 +119,8 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     app = create_app(engine, config)
     logging.getLogger("rapidspec").setLevel(logging.INFO)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout,
-    ))
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, read_timeout_s=config.read_timeout_s,
+                                           log_level="info", timeout_graceful_shutdown=args.shutdown_timeout))
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler that was
     # there before; a handler that does nothing makes that a clean exit with code 0.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -22,6 +22,7 @@ _EXPORTS = {
     "cache_root": "rapidspec.models.loading",
     "check_low_bit_device": "rapidspec.models.loading",
     "load_model": "rapidspec.models.loading",
+    "check_loadable": "rapidspec.models.loading",
     "low_bit_copy": "rapidspec.models.loading",
     "resolve_source": "rapidspec.models.loading",
     "sliding_window_reason": "rapidspec.models.loading",

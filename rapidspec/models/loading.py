@@ -282,6 +282,22 @@ def resolve_source(name: str) -> tuple[str, Path | None]:
     return stripped, None
 
 
+def check_loadable(name: str) -> None:
+    """A RapidspecError now, before any model loads, when ``name`` names nothing loadable offline."""
+    source, gguf = resolve_source(name)
+    if gguf is not None or Path(source).is_dir():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(source, "config.json")
+    except ValueError:  # not a valid Hugging Face id (HFValidationError)
+        found = None
+    if not isinstance(found, str):
+        raise RapidspecError(f"cannot load model {name!r} offline: not a built-in name, .gguf file, local directory "
+                             "or locally cached Hugging Face id")
+
+
 def load_model(
     name: str = "builtin",
     dtype: str | torch.dtype = "auto",

@@ -59,6 +59,9 @@ class ModelSpec:
         """(target, drafter): loaded models, the drafter None (self) or a name when llama.cpp reads it."""
         from rapidspec import models  # looked up at call time: tests replace models.load_model
 
+        for name in (self.target, self.drafter):  # a bad name is refused before anything loads
+            if name is not None:
+                models.check_loadable(name)
         target = models.load_model(self.target, dtype=self.dtype, device=self.device, quantize=self.quantize,
                                    runtime=self.runtime)
         if self.drafter is not None and self._drafter_on_llama_cpp(target):

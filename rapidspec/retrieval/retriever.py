@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -159,6 +160,7 @@ class Retriever:
         self._chunkers: dict[int, Chunker] = {}
         self._embedder = embedder
         self._documents: OrderedDict[str, _DocumentState] = OrderedDict()
+        self._documents_lock = threading.Lock()  # a server prepares requests on several threads
 
     @property
     def embedder(self) -> Any:
@@ -299,13 +301,19 @@ class Retriever:
         return self._cached("segments:" + self._document_key(joined + "\0" + str([len(s) for s in segments]), chunk_tokens), build)
 
     def _cached(self, key: str, build: Callable[[], _DocumentState]) -> _DocumentState:
-        """The state stored under ``key``, built on a miss; the least recently used beyond the bound are dropped."""
-        state = self._documents.get(key)
-        if state is None:
-            state = self._documents[key] = build()
+        """The state stored under ``key``, built on a miss (outside the lock: other documents do not wait);
+        the least recently used beyond the bound are dropped."""
+        with self._documents_lock:
+            state = self._documents.get(key)
+            if state is not None:
+                self._documents.move_to_end(key)
+                return state
+        state = build()
+        with self._documents_lock:
+            state = self._documents.setdefault(key, state)
+            self._documents.move_to_end(key)
             while len(self._documents) > self.config.max_cached_documents:
                 self._documents.popitem(last=False)
-        self._documents.move_to_end(key)
         return state
 
     def _document_key(self, document: str, chunk_tokens: int) -> str:

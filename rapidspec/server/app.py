@@ -23,6 +23,7 @@ from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server.errors import add_error_handlers
+from rapidspec.server.http import READ_TIMEOUT_S
 from rapidspec.server.limits import RequestGuard
 from rapidspec.server.routers import admin, generation, tokens
 from rapidspec.server.state import ServerState
@@ -40,7 +41,9 @@ class ServerConfig:
     ``max_queue``: requests that may wait beyond those. ``api_key``:
     None = open; ``max_request_bytes``: larger bodies get 413;
     ``max_document_tokens``: what a request's texts may hold when it asks for
-    truncation (None = 4 windows); ``allowed_origins``: CORS (empty = off,
+    truncation (None = 4 windows); ``read_timeout_s``: how long a client may
+    take to send a request's head, or pause within its body
+    (:mod:`rapidspec.server.http`); ``allowed_origins``: CORS (empty = off,
     ``("*",)`` = any).
     """
 
@@ -54,6 +57,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024
     max_document_tokens: int | None = None
+    read_timeout_s: float = READ_TIMEOUT_S
     allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -66,7 +70,10 @@ class ServerConfig:
         if self.recent_messages < 0:
             raise RapidspecError(f"recent_messages must be >= 0, got {self.recent_messages}")
         if self.api_key is not None and not self.api_key.strip():
-            raise RapidspecError("the API key is empty")
+            raise RapidspecError("the API key is empty (--api-key or RAPIDSPEC_API_KEY): give one, or unset both "
+                                 "for a server without a key")
+        if not 0.1 <= self.read_timeout_s <= 3600:
+            raise RapidspecError(f"read_timeout_s must be in [0.1, 3600] seconds, got {self.read_timeout_s}")
         if not 1024 <= self.max_request_bytes <= 1 << 31:
             raise RapidspecError(f"max_request_bytes must be in [1024, 2**31], got {self.max_request_bytes}")
         if self.max_document_tokens is not None and not 1 <= self.max_document_tokens <= MAX_TOKENS:
@@ -87,6 +94,7 @@ def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
         yield
         if fleet is not None:
             fleet.stop()  # a replica shutting down stops reporting (the board drops it after STALE_AFTER_S)
+        state.preparer.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(state.worker.stop)
 
     app = FastAPI(title="rapidspec", version=__version__, lifespan=lifespan)
@@ -94,7 +102,7 @@ def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
     app.state.engine, app.state.worker, app.state.metrics = engine, state.worker, state.metrics
     app.state.health = state.local_health
     app.add_middleware(RequestGuard, api_key=config.api_key, max_request_bytes=config.max_request_bytes,
-                       refused=state.metrics.failed)
+                       read_timeout_s=config.read_timeout_s, refused=state.metrics.failed)
     if config.allowed_origins:  # outside the guard: CORS preflights need no key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])

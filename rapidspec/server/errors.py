@@ -36,8 +36,12 @@ def add_error_handlers(app: FastAPI, metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
-        metrics.failed("bad_request")
         first = err.errors()[0] if err.errors() else {}
+        raised = (first.get("ctx") or {}).get("error")
+        if isinstance(raised, RapidspecError):  # a body's own check (text that is not UTF-8, ...)
+            status, body = failure(raised, metrics)
+            return JSONResponse(body, status_code=status)
+        metrics.failed("bad_request")
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
         if first.get("type") == "json_invalid":  # its location is a character offset, not a field
             message, where = "the request body is not valid JSON", None

@@ -5,12 +5,14 @@ untouched). With an API key, every path but ``/health`` needs
 ``Authorization: Bearer KEY`` (401 otherwise; CORS preflights pass, the CORS
 middleware outside this one answers them). A request body is read up to
 ``max_request_bytes`` and refused with 413 beyond it, whether or not the
-client sent a Content-Length, then handed to the app whole. Both refusals use
-OpenAI's error body.
+client sent a Content-Length, then handed to the app whole; a body that stops
+arriving for ``read_timeout_s`` gets 408 and the connection is closed. The
+refusals use OpenAI's error body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import Callable
@@ -19,11 +21,13 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class RequestGuard:
-    def __init__(self, app, *, api_key: str | None, max_request_bytes: int, refused: Callable[[str], None]) -> None:
+    def __init__(self, app, *, api_key: str | None, max_request_bytes: int, read_timeout_s: float,
+                 refused: Callable[[str], None]) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
-        self.refused = refused  # called with the reason ("unauthorized", "too_large")
+        self.read_timeout_s = read_timeout_s
+        self.refused = refused  # called with the reason ("unauthorized", "too_large", "timeout")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -44,7 +48,13 @@ class RequestGuard:
         if scope["method"] in ("POST", "PUT", "PATCH"):
             body = bytearray()
             while True:
-                message = await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), self.read_timeout_s)
+                except asyncio.TimeoutError:
+                    self.refused("timeout")
+                    await _refuse(send, 408, f"the request body stopped arriving for {self.read_timeout_s:g} s",
+                                  "request_timeout", [(b"connection", b"close")])
+                    return
                 if message["type"] != "http.request":  # the client left while sending
                     return
                 body += message.get("body", b"")

@@ -11,6 +11,7 @@ and text completions (``tokens``, ``token_logprobs``, ``top_logprobs``,
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
@@ -25,14 +26,15 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "time": "le
 class Reply:
     """The shape of one request's answer: chat (``chat.completion``) or text (``text_completion``)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False, token_texts=None) -> None:
-        """``include_usage``: every stream chunk has ``usage`` (null until the last); ``token_texts``
-        (token ids -> their texts) when log-probabilities were asked for."""
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, pieces=None) -> None:
+        """``include_usage``: every stream chunk has ``usage`` (null until the last); ``pieces``
+        (a :class:`~rapidspec.server.tokens.TokenPieces`) when log-probabilities were asked for."""
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
-        self.token_texts = token_texts
+        self.pieces = pieces
         self._offset = 0  # characters of text before the next token (text completions' text_offset)
+        self._characters = codecs.getincrementaldecoder("utf-8")("replace")  # a split character counts once whole
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -71,19 +73,21 @@ class Reply:
 
     def logprobs(self, entries) -> dict | None:
         """OpenAI's ``logprobs`` of these tokens (TokenLogprob), or None when they were not asked for."""
-        if self.token_texts is None or not entries:
+        if self.pieces is None or not entries:
             return None
-        texts = self.token_texts([e.token_id for e in entries])
-        tops = [self.token_texts([t for t, _ in e.top]) for e in entries]
+        ids = [e.token_id for e in entries]
+        texts = self.pieces.texts(ids)
+        tops = [self.pieces.texts([t for t, _ in e.top]) for e in entries]
         if self.chat:
+            top_bytes = [self.pieces.bytes_of([t for t, _ in e.top]) for e in entries]
             return {"content": [
-                {"token": text, "logprob": e.logprob, "bytes": list(text.encode()),
-                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, (_, v) in zip(top, e.top)]}
-                for text, e, top in zip(texts, entries, tops)]}
+                {"token": text, "logprob": e.logprob, "bytes": list(raw),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, b, (_, v) in zip(top, braw, e.top)]}
+                for text, raw, e, top, braw in zip(texts, self.pieces.bytes_of(ids), entries, tops, top_bytes)]}
         offsets = []
-        for text in texts:
+        for raw in self.pieces.bytes_of(ids):
             offsets.append(self._offset)
-            self._offset += len(text)
+            self._offset += len(self._characters.decode(raw))
         return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t: v for t, (_, v) in zip(top, e.top)} for e, top in zip(entries, tops)],
                 "text_offset": offsets}

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rapidspec.config import DecodeConfig
+from rapidspec.config import MAX_ETA, MAX_TEMPERATURE, DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import METHODS, RetrievalConfig
 
@@ -32,8 +32,70 @@ UNSUPPORTED = {
     "functions": lambda v: v is not None, "function_call": lambda v: v not in (None, "none"),
     "logit_bias": lambda v: bool(v), "response_format": lambda v: v is not None and v.get("type") != "text",
     "n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1), "echo": lambda v: bool(v),
-    "suffix": lambda v: bool(v),
+    "suffix": lambda v: bool(v), "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]), "prediction": lambda v: v is not None,
 }
+#: Unknown field names the server's log line shows (each cut to ``_NAME_CHARS``, escaped).
+_LOGGED_NAMES, _NAME_CHARS = 8, 40
+
+
+def invalid_text_path(data: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string or key in ``data`` that is not valid UTF-8.
+
+    JSON may spell lone surrogates (``"\\ud800"``, or the raw bytes ED A0 80, which Python's decoder
+    accepts); no tokenizer can encode them. Walks without recursion (bodies may nest deeply).
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _utf8(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and not _utf8(key):
+                    return path or "body"
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _utf8(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class RequestBody(BaseModel):
+    """Every route's body: text that is not valid UTF-8 is a 400 naming its field, before anything reads it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        path = invalid_text_path(data)
+        if path is not None:
+            raise RapidspecError(f"{path[:200]}: the text is not valid UTF-8 (it holds a lone surrogate)",
+                                 param=path[:200], code="invalid_text")
+        return data
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Fields no schema defines (ignored; the server logs them)."""
+        return sorted(self.model_extra or {})
+
+    def unknown_fields_note(self) -> str:
+        """The unknown fields for one log line: bounded, each name escaped (no newline can forge a record)."""
+        names = self.unknown_fields
+        shown = ", ".join(ascii(name[:_NAME_CHARS]) for name in names[:_LOGGED_NAMES])
+        return f"{len(names)} ({shown}{', ...' if len(names) > _LOGGED_NAMES else ''})"
 
 
 class StreamOptions(BaseModel):
@@ -41,15 +103,13 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(RequestBody):
     """Fields shared by chat and text completions."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int | None = Field(default=None, ge=1)
     best_of: int | None = Field(default=None, ge=1)
@@ -70,9 +130,12 @@ class GenerationRequest(BaseModel):
     function_call: str | dict[str, Any] | None = None
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
     # RAPID (DecodeConfig)
     mode: Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"] | None = None
-    eta: float | None = Field(default=None, ge=0)
+    eta: float | None = Field(default=None, ge=0, le=MAX_ETA)
     gamma: int | None = Field(default=None, ge=1)
     gamma_schedule: Literal["constant", "heuristic", "cost"] | None = None
     max_gamma: int | None = Field(default=None, ge=1)
@@ -93,11 +156,6 @@ class GenerationRequest(BaseModel):
     budget_tokens: int | None = Field(default=None, ge=1)
     chunk_tokens: int | None = Field(default=None, ge=1)
 
-    @property
-    def unknown_fields(self) -> list[str]:
-        """Fields no schema defines (ignored; the server logs them)."""
-        return sorted(self.model_extra or {})
-
     def logprobs_count(self) -> int | None:
         """DecodeConfig.logprobs: None = off, else how many most likely tokens to report per position."""
         return None
@@ -110,9 +168,9 @@ class GenerationRequest(BaseModel):
                                      "per request)", param=name, code="unsupported_field")
         if self.stream_options is not None and not self.stream:
             raise RapidspecError("stream_options is only allowed when stream is true", param="stream_options")
-        # null means "the default", as OpenAI clients send it
-        changes = {name: getattr(self, name) for name in self.model_fields_set & _DECODE_FIELDS
-                   if getattr(self, name) is not None}
+        # null means "the default", as OpenAI clients send it; unknown fields (max_new_tokens...) change nothing
+        declared = self.model_fields_set & _DECODE_FIELDS & set(type(self).model_fields)
+        changes = {name: getattr(self, name) for name in declared if getattr(self, name) is not None}
         max_tokens = self.max_completion_tokens or self.max_tokens
         if max_tokens is not None:
             changes["max_new_tokens"] = max_tokens
@@ -168,10 +226,9 @@ class CompletionRequest(GenerationRequest):
         return self.prompt
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize`` (vLLM's shape): a prompt, or messages through the chat template."""
 
-    model_config = ConfigDict(extra="allow")
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
@@ -183,9 +240,8 @@ class TokenizeRequest(BaseModel):
             raise RapidspecError("send either prompt or messages", param="prompt")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize`` (vLLM's shape)."""
 
-    model_config = ConfigDict(extra="allow")
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)

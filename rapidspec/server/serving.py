@@ -1,11 +1,13 @@
-"""Serving one generation request: queue it on the worker, then answer it whole or as server-sent events.
+"""Serving one generation request: prepare it, queue it on the worker, then answer it whole or as server-sent events.
 
-The request's texts are sized up off the engine thread
-(:mod:`rapidspec.server.tokens`), so one that cannot fit is refused without
-holding the engine; then the job is queued on the
-:class:`~rapidspec.server.worker.Worker` (429 when the queue is full) and
-answered once the engine has built its prompts (so a prompt that does not fit
-the window is a 400 even when streaming). A client that goes away is noticed
+A request takes its place in the :class:`~rapidspec.server.worker.Worker`'s
+line first (429 when it is full), then is prepared on the server's preparing
+threads, never on the engine's: its texts are sized up (with the chat
+template's tokens and the query, :mod:`rapidspec.server.tokens`), retrieval
+runs and the prompts are built, so a request that cannot fit is a 400 before
+it queues and an expensive one (a first-seen long document) does not hold
+the requests beside it. The time this takes counts against the request's
+time limit. Then the job runs on the engine. A client that goes away is noticed
 within ``disconnect_poll_seconds``, streaming or not: a waiting request leaves
 the queue, a running one stops after the current round or between two prefill
 chunks. The engine's one decode loop does the work (:meth:`rapidspec.Rapid.decode`).
@@ -21,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rapidspec.conversation import parse_documents, parse_messages
+from rapidspec.errors import RapidspecError
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.server.errors import failure
 from rapidspec.server.responses import FINISH_REASONS, Reply, error_response, sse
@@ -46,20 +49,34 @@ class GenerationServing:
         arrived = time.perf_counter()
         state.check_model(body.model)
         if body.unknown_fields:
-            logger.warning("ignored request fields no schema defines: %s", ", ".join(body.unknown_fields))
+            logger.warning("ignored request fields no schema defines: %s", body.unknown_fields_note())
         decode = body.decode_config(config.decode)
         retrieval = body.retrieval_config(config.retrieval or state.engine.retriever.config)
         messages = parse_messages(messages)
         documents = parse_documents(body.documents)
         recent = config.recent_messages if body.recent_messages is None else body.recent_messages
-        await asyncio.to_thread(state.tokens.check_fits, messages, documents, decode.truncate, state.window)
+        if await request.is_disconnected():  # gone before admission: nothing is sized, built or queued
+            state.metrics.failed("cancelled")
+            return Response(status_code=204)
+
+        def prepare():  # off the event loop and off the engine thread
+            state.tokens.check_fits(messages, documents, decode.truncate, state.window, body.query)
+            return state.engine.chat_prompts(messages, decode, documents=documents, query=body.query,
+                                             recent_messages=recent, raw=not chat,
+                                             retriever=state.retriever_for(retrieval))
+
+        job = state.worker.admit()  # 429 when the line is full; preparing requests count
+        try:
+            prompts = await self._prepare(job, request, prepare)
+        except _Cancelled:
+            state.metrics.failed("cancelled")
+            return Response(status_code=204)
+        except BaseException:
+            job.cancel()
+            raise
+        decode = self._time_left(job, decode, time.perf_counter() - arrived)
 
         def work(emit, cancelled):  # a generator: the worker runs it a step at a time
-            prompts = state.engine.chat_prompts(messages, decode, documents=documents, query=body.query,
-                                                recent_messages=recent, raw=not chat,
-                                                retriever=state.retriever_for(retrieval))
-            if cancelled.is_set():
-                return
             emit("ready", None)
             yield
             stream = state.engine.decode(prompts, decode, should_stop=cancelled.is_set, yield_prefill_chunks=True)
@@ -75,12 +92,11 @@ class GenerationServing:
             finally:
                 stream.close()
 
-        job = state.worker.submit(work)
+        state.worker.run(job, work)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        reply = Reply(chat, config.model_name, include_usage,
-                      state.tokens.token_texts if decode.logprobs is not None else None)
+        reply = Reply(chat, config.model_name, include_usage, state.pieces if decode.logprobs is not None else None)
         try:
-            kind, payload = await self._next_event(job, request)  # "ready" once the prompts are built
+            kind, payload = await self._next_event(job, request)  # "ready" once the job has a slot
         except _Cancelled:
             state.metrics.failed("cancelled")
             return Response(status_code=204)
@@ -91,6 +107,31 @@ class GenerationServing:
         if body.stream:
             return StreamingResponse(self._stream_events(job, request, reply, arrived), media_type="text/event-stream")
         return await self._complete(job, request, reply, arrived)
+
+    async def _prepare(self, job: Job, request: Request, prepare):
+        """``prepare()`` (size check, retrieval, prompts) on the preparing threads; _Cancelled when the client left."""
+        future = asyncio.get_running_loop().run_in_executor(self.state.preparer, prepare)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned one's error is not logged
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=self.state.config.disconnect_poll_seconds)
+            if done:
+                return future.result()
+            if await request.is_disconnected():
+                job.cancel()
+                raise _Cancelled()
+
+    @staticmethod
+    def _time_left(job: Job, decode, spent: float):
+        """``decode`` with the request's time limit less the seconds its preparation took."""
+        if decode.time_limit_s is None:
+            return decode
+        left = decode.time_limit_s - spent
+        if left <= 0:
+            job.cancel()
+            raise RapidspecError(f"preparing the prompts (size check, retrieval) took {spent:.1f} s, more than the "
+                                 f"server's time limit of {decode.time_limit_s:g} s per request",
+                                 code="time_limit_exceeded")
+        return decode.with_(time_limit_s=left)
 
     async def _complete(self, job: Job, request: Request, reply: Reply, arrived: float):
         output = None
@@ -128,7 +169,7 @@ class GenerationServing:
                 if first and (payload.text or payload.token_ids):
                     self._observe_first_token(arrived)
                     first = False
-                if payload.text or (payload.logprobs and reply.token_texts):
+                if payload.text or (payload.logprobs and reply.pieces):
                     yield sse(reply.chunk(text=payload.text, logprobs=payload.logprobs))
                 if payload.output is not None:
                     self._record_finish(job, payload.output, arrived)

@@ -7,8 +7,10 @@ Built once by :func:`rapidspec.server.app.create_app` and kept as
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
@@ -17,7 +19,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
 from rapidspec.server.capacity import concurrent_sequences, free_memory_bytes, kv_bytes_per_token
 from rapidspec.server.metrics import ServerMetrics
-from rapidspec.server.tokens import ServerTokens
+from rapidspec.server.tokens import ServerTokens, TokenPieces
 from rapidspec.server.worker import Worker
 
 #: Retrievers of other retrieval settings kept for requests (least recently used dropped beyond this).
@@ -38,8 +40,12 @@ class ServerState:
         self.metrics = ServerMetrics(config.model_name, waiting=lambda: self.worker.waiting,
                                      running=lambda: self.worker.running)
         self.tokens = ServerTokens(engine.tokenizer, config.max_document_tokens or 4 * window)
+        self.pieces = TokenPieces(engine.tokenizer)
+        # requests are prepared (sized, retrieved, rendered) here, as many at once as may be admitted
+        self.preparer = ThreadPoolExecutor(config.max_queue + self.worker.max_num_seqs, "rapidspec-prepare")
         self.started = int(time.time())
-        self._retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()  # used on the worker thread only
+        self._retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()
+        self._retrievers_lock = threading.Lock()
         self.default_eta, self.eta_reason = resolve_eta(config.decode.with_(mode="rapid"), engine.drafter_relation)
 
     def check_model(self, name: str | None) -> None:
@@ -53,13 +59,14 @@ class ServerState:
         engine = self.engine
         if wanted == engine.retriever.config:
             return engine.retriever
-        if wanted not in self._retrievers:
-            self._retrievers[wanted] = Retriever(wanted, tokenizer=engine.tokenizer,
-                                                 embedder=engine.retriever.loaded_embedder)
-            while len(self._retrievers) > KEPT_RETRIEVERS:
-                self._retrievers.popitem(last=False)
-        self._retrievers.move_to_end(wanted)
-        return self._retrievers[wanted]
+        with self._retrievers_lock:  # the preparing threads share them
+            if wanted not in self._retrievers:
+                self._retrievers[wanted] = Retriever(wanted, tokenizer=engine.tokenizer,
+                                                     embedder=engine.retriever.loaded_embedder)
+                while len(self._retrievers) > KEPT_RETRIEVERS:
+                    self._retrievers.popitem(last=False)
+            self._retrievers.move_to_end(wanted)
+            return self._retrievers[wanted]
 
     def local_health(self) -> dict:
         """This engine's ``/health`` body (a replica's report to the fleet board too)."""

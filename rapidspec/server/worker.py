@@ -8,8 +8,11 @@ generator function: each ``next()`` is one step (a prefill chunk or a decode
 round), and the worker advances its running jobs one step each in turn, so a
 short answer is not held behind a long one (a plain function is one step).
 A full queue refuses new jobs at once (:class:`QueueFull`, the server's 429).
-Cancelling a job that waits removes it; a running one sees it between two
-steps.
+A request takes its place with :meth:`Worker.admit` before its prompts are
+built (off this thread) and hands its work over with :meth:`Worker.run`, so
+requests being prepared count against the same bound. Cancelling a job that
+waits removes it and drops its work (and what the work holds) at once; a
+running one sees it between two steps.
 
 Events a job receives, in order: its own (``"ready"``, ``"chunk"``, ...),
 then ``("error", exception)`` if it raised, then always ``("end", None)``.
@@ -45,8 +48,8 @@ class QueueFull(Exception):
 class Job:
     """A piece of engine work and the channel its events come back on."""
 
-    def __init__(self, work: Work, loop: asyncio.AbstractEventLoop) -> None:
-        self.work = work
+    def __init__(self, work: Work | None, loop: asyncio.AbstractEventLoop) -> None:
+        self.work = work  # None until the request's prompts are ready (Worker.run)
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
@@ -96,27 +99,42 @@ class Worker:
         return len(self._running)
 
     def submit(self, work: Work) -> Job:
-        """Queue ``work``; raises :class:`QueueFull` when ``max_queue`` jobs already wait.
+        """Queue ``work`` (:meth:`admit` then :meth:`run`)."""
+        job = self.admit()
+        self.run(job, work)
+        return job
+
+    def admit(self) -> Job:
+        """A place in the line for a job whose work comes later; raises :class:`QueueFull` when
+        ``max_queue`` jobs already wait.
 
         A job that finds a free slot never waits, so ``max_queue = 0`` means no
         waiting line: a request is taken only when one of the ``max_num_seqs`` slots is free.
         """
-        job = Job(work, asyncio.get_running_loop())
+        job = Job(None, asyncio.get_running_loop())
         with self._lock:
             if self._waiting + len(self._running) >= self.max_queue + self.max_num_seqs:
                 raise QueueFull(f"{self._waiting} requests are waiting (the bound is {self.max_queue})")
             self._waiting += 1
             self._queued.add(job)
         job._on_cancel = self._leave_queue
-        self._jobs.put(job)
         return job
 
+    def run(self, job: Job, work: Work) -> None:
+        """Hand an admitted job its work: it runs once a slot is free (nothing happens if it was cancelled)."""
+        with self._lock:
+            if job not in self._queued:
+                return
+            job.work = work
+        self._jobs.put(job)
+
     def _leave_queue(self, job: Job) -> None:
-        """A job cancelled while it waits gives its slot back at once."""
+        """A job cancelled while it waits gives its slot back and drops its work at once."""
         with self._lock:
             if job in self._queued:
                 self._queued.discard(job)
                 self._waiting -= 1
+                job.work = None  # what the work holds (messages, prompts) is freed now, not when the thread gets to it
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what waits and what runs, and end the thread (after the running jobs' current steps)."""

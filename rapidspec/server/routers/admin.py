@@ -12,7 +12,7 @@ from rapidspec.server.state import ServerState, server_state
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
 async def health(state: ServerState = Depends(server_state)):
     if state.fleet is None:
         return state.local_health()

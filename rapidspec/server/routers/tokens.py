@@ -20,7 +20,7 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_st
     ids = await asyncio.to_thread(state.tokens.tokenize, body.prompt, messages, body.add_special_tokens)
     out = {"count": len(ids), "max_model_len": state.window, "tokens": ids}
     if body.return_token_strs:
-        out["token_strs"] = await asyncio.to_thread(state.tokens.token_texts, ids)
+        out["token_strs"] = await asyncio.to_thread(state.pieces.texts, ids)
     return out
 
 
