@@ -298,7 +298,7 @@ def test_the_size_check_counts_each_message_and_the_query(byte_tokenizer):
 
     tokens = ServerTokens(byte_tokenizer, max_document_tokens=1000)
     hi = (Message("user", "hi"),)
-    tokens.check_fits(hi * 400, (), "middle", 512, query="q" * 500)
+    tokens.check_fits(hi * 100, (), "middle", 512, query="q" * 500)
     for messages, query in [((Message("user", ""),) * 60_000, None), (hi, "q" * 2_000_000)]:
         with pytest.raises(RapidspecError, match="more than 1000 tokens"):
             tokens.check_fits(messages, (), "middle", 512, query=query)
