@@ -148,7 +148,8 @@ class GenerationServing:
         if output is None:
             return self._shutting_down()
         self._record_finish(job, output, arrived)
-        return reply.complete(output)
+        # built and rendered off the event loop (thousands of log-probabilities), as plain json.dumps
+        return await asyncio.to_thread(lambda: JSONResponse(reply.complete(output)))
 
     def _shutting_down(self) -> JSONResponse:
         self.state.metrics.failed("cancelled")

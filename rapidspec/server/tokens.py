@@ -131,16 +131,26 @@ class TokenPieces:
         piece = self._cache.get(token_id)
         if piece is None:
             with self._lock:
-                text = self._tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
                 raw = self._tokenizer.convert_ids_to_tokens(token_id)
-            piece = self._cache[token_id] = (text, _token_bytes(raw, text, self._byte_level))
+                raw_bytes = _byte_level_bytes(raw) if self._byte_level else None
+                if raw_bytes is not None:  # no decode call: thousands of top-20 entries stay cheap on the event loop
+                    piece = (raw_bytes.decode("utf-8", "replace"), raw_bytes)
+                else:
+                    text = self._tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+                    piece = (text, _token_bytes(raw, text))
+            self._cache[token_id] = piece
         return piece
 
 
-def _token_bytes(raw: str | None, text: str, byte_level: bool) -> bytes:
-    """A token's own bytes, from its vocabulary entry ``raw`` (``text`` is its decoded text)."""
-    if raw is not None and byte_level and all(c in _UNICODE_TO_BYTE for c in raw):
-        return bytes(_UNICODE_TO_BYTE[c] for c in raw)
+def _byte_level_bytes(raw: str | None) -> bytes | None:
+    """The bytes a byte-level BPE vocabulary entry stands for (None when it is not in that alphabet)."""
+    if raw is None or not all(c in _UNICODE_TO_BYTE for c in raw):
+        return None
+    return bytes(_UNICODE_TO_BYTE[c] for c in raw)
+
+
+def _token_bytes(raw: str | None, text: str) -> bytes:
+    """A token's own bytes when its vocabulary entry ``raw`` is not byte-level (``text`` is its decoded text)."""
     if raw is not None and (match := _BYTE_TOKEN.fullmatch(raw)):
         return bytes([int(match.group(1), 16)])
     return text.encode("utf-8")

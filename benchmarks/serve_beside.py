@@ -1,0 +1,137 @@
+"""How long a small request and /health wait beside legal but expensive requests (docs/serving.md quotes it).
+
+    python benchmarks/serve_beside.py --repeats 3
+
+Starts `rapidspec serve` (built-in model by default) on 127.0.0.1; for each expensive request below, --repeats
+times: sends it, sends a small chat request (8 tokens) --delay seconds later, and asks /health every 50 ms until
+both are answered. Reports, per case, the expensive request's status and seconds, the small request's whole
+answer time and /health's slowest answer (medians over the repeats), and the small request alone first.
+
+* a first-seen document of four windows (mode rag, truncate middle: sizing, retrieval and embedding);
+* 60,000 empty messages (truncate middle);
+* a 2 MB query (truncate middle);
+* a 2 MB /tokenize;
+* an answer of 256 tokens with 20 log-probabilities each.
+
+Prints a table, then one JSON object as the last line. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from rapidspec.bench.serve.process import LaunchConfig, LocalServer
+from rapidspec.demo_document import demo_document
+
+SMALL = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "ignore_eos": True}
+HEALTH_EVERY_S = 0.05
+TIMEOUT_S = 300
+
+
+def cases(window: int) -> dict[str, tuple[str, dict]]:
+    """name -> (route, body); the document is new each time it is built (first seen by the server)."""
+    question = [{"role": "user", "content": "What happened on the third day?"}]
+    return {
+        "first-seen 4-window document (rag)": ("/v1/chat/completions", {
+            "messages": question, "mode": "rag", "truncate": "middle", "max_tokens": 8,
+            "documents": [f"Log {uuid.uuid4().hex}.\n" + "\n\n".join([demo_document(target_tokens=2 * window - 1024).document] * 2)]}),
+        "60,000 empty messages": ("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": ""}] * 60_000 + question, "truncate": "middle", "max_tokens": 8}),
+        "2 MB query": ("/v1/chat/completions", {
+            "messages": question, "documents": ["a short note"], "query": "q " * 1_000_000, "truncate": "middle",
+            "max_tokens": 8}),
+        "2 MB /tokenize": ("/tokenize", {"prompt": "word " * 400_000}),
+        "256 tokens with 20 logprobs": ("/v1/chat/completions", {
+            "messages": question, "max_tokens": 256, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}),
+    }
+
+
+def timed_post(client: httpx.Client, route: str, body: dict, out: dict) -> None:
+    started = time.perf_counter()
+    out["status"] = client.post(route, json=body).status_code
+    out["seconds"] = time.perf_counter() - started
+    out["ended"] = time.perf_counter()
+
+
+def beside(client: httpx.Client, route: str, body: dict, delay: float) -> dict:
+    """The expensive request, the small one ``delay`` s later, /health polled until both are answered.
+
+    One client (its connections made before the clock starts), so no client set-up holds this process's GIL
+    while another thread times an answer.
+    """
+    expensive: dict = {}
+    small: dict = {}
+    health: list[tuple[float, float]] = []  # (seconds, when it was asked)
+    heavy = threading.Thread(target=timed_post, args=(client, route, body, expensive))
+    heavy.start()
+    time.sleep(delay)
+    light = threading.Thread(target=timed_post, args=(client, "/v1/chat/completions", SMALL, small))
+    light.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while (heavy.is_alive() or light.is_alive()) and time.monotonic() < deadline:
+        started = time.perf_counter()
+        client.get("/health")
+        health.append((time.perf_counter() - started, started))
+        time.sleep(HEALTH_EVERY_S)
+    heavy.join(TIMEOUT_S)
+    light.join(TIMEOUT_S)
+    if small.get("status") != 200:
+        raise RuntimeError(f"the small request got {small.get('status')}")
+    slowest, asked = max(health, default=(0.0, 0.0))
+    return {"status": expensive.get("status"), "expensive_s": expensive.get("seconds"), "small_s": small["seconds"],
+            "health_max_s": slowest, "health_checks": len(health),
+            "health_max_before_expensive_end_s": expensive.get("ended", asked) - asked}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="builtin")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", default="", help="only the cases whose names hold this text (default: all)")
+    parser.add_argument("--delay", type=float, default=0.3, help="seconds between the expensive and the small request")
+    args = parser.parse_args(argv)
+    if not 1 <= args.repeats <= 20:
+        parser.error("--repeats must be in [1, 20]")
+    results: dict[str, list[dict]] = {}
+    with LocalServer(LaunchConfig(("--target", args.target))) as server, \
+            httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
+        window = client.get("/v1/models").json()["data"][0]["max_model_len"]
+        for _ in range(2):  # warm up (the first request loads the retrieval models)
+            client.post("/v1/chat/completions", json=SMALL | {"documents": ["a note"]})
+        alone = []
+        for _ in range(args.repeats):
+            out: dict = {}
+            timed_post(client, "/v1/chat/completions", SMALL, out)
+            alone.append(out["seconds"])
+        for _ in range(args.repeats):
+            for name, (route, body) in cases(window).items():
+                if args.cases not in name:
+                    continue
+                results.setdefault(name, []).append(beside(client, route, body, args.delay))
+    medians = {name: {key: statistics.median(r[key] for r in runs) for key in ("expensive_s", "small_s", "health_max_s")}
+               | {"statuses": sorted({r["status"] for r in runs})} for name, runs in results.items()}
+    table = Table(title=f"beside expensive requests ({args.target}, window {window}, medians of {args.repeats})")
+    for column in ("expensive request", "its status", "its seconds", "small request s", "/health slowest s"):
+        table.add_column(column, justify="left" if column == "expensive request" else "right")
+    table.add_row("(none: the small request alone)", "", "", f"{statistics.median(alone):.2f}", "")
+    for name, m in medians.items():
+        table.add_row(name, ",".join(map(str, m["statuses"])), f"{m['expensive_s']:.2f}", f"{m['small_s']:.2f}",
+                      f"{m['health_max_s']:.3f}")
+    Console().print(table)
+    print(json.dumps({"target": args.target, "window": window, "repeats": args.repeats, "small_alone_s": alone,
+                      "medians": medians, "runs": results, "server_exit_code": server.exit_code}))
+    return 0 if server.exit_code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
