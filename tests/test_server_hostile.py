@@ -19,7 +19,7 @@ import pytest
 
 from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
-from tests.hostile import GOOD, HI, STATUSES, TRIED, CappedEngine, check, post
+from tests.hostile import GOOD, HI, STATUSES, TRIED, CappedEngine, post
 from tests.server_harness import running_server
 
 
