@@ -126,6 +126,7 @@ class Worker:
             if job not in self._queued:
                 return
             job.work = work
+            job.submitted = time.perf_counter()  # the queue's wait starts now (metrics)
         self._jobs.put(job)
 
     def _leave_queue(self, job: Job) -> None:
