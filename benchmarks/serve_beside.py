@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import httpx
 from rich.console import Console
@@ -38,20 +39,24 @@ HEALTH_EVERY_S = 0.05
 TIMEOUT_S = 300
 
 
-def cases(window: int) -> dict[str, tuple[str, dict]]:
-    """name -> (route, body); the document is new each time it is built (first seen by the server)."""
+def cases(window: int) -> dict[str, tuple[str, Callable[[], dict]]]:
+    """name -> (route, body maker); bodies are made one at a time, the document new each time (first seen)."""
     question = [{"role": "user", "content": "What happened on the third day?"}]
+
+    def document() -> str:
+        half = demo_document(target_tokens=2 * window - 1024).document
+        return f"Log {uuid.uuid4().hex}.\n{half}\n\n{half}"
+
     return {
-        "first-seen 4-window document (rag)": ("/v1/chat/completions", {
-            "messages": question, "mode": "rag", "truncate": "middle", "max_tokens": 8,
-            "documents": [f"Log {uuid.uuid4().hex}.\n" + "\n\n".join([demo_document(target_tokens=2 * window - 1024).document] * 2)]}),
-        "60,000 empty messages": ("/v1/chat/completions", {
+        "first-seen 4-window document (rag)": ("/v1/chat/completions", lambda: {
+            "messages": question, "mode": "rag", "truncate": "middle", "max_tokens": 8, "documents": [document()]}),
+        "60,000 empty messages": ("/v1/chat/completions", lambda: {
             "messages": [{"role": "user", "content": ""}] * 60_000 + question, "truncate": "middle", "max_tokens": 8}),
-        "2 MB query": ("/v1/chat/completions", {
+        "2 MB query": ("/v1/chat/completions", lambda: {
             "messages": question, "documents": ["a short note"], "query": "q " * 1_000_000, "truncate": "middle",
             "max_tokens": 8}),
-        "2 MB /tokenize": ("/tokenize", {"prompt": "word " * 400_000}),
-        "256 tokens with 20 logprobs": ("/v1/chat/completions", {
+        "2 MB /tokenize": ("/tokenize", lambda: {"prompt": "word " * 400_000}),
+        "256 tokens with 20 logprobs": ("/v1/chat/completions", lambda: {
             "messages": question, "max_tokens": 256, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}),
     }
 
@@ -114,10 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             timed_post(client, "/v1/chat/completions", SMALL, out)
             alone.append(out["seconds"])
         for _ in range(args.repeats):
-            for name, (route, body) in cases(window).items():
-                if args.cases not in name:
-                    continue
-                results.setdefault(name, []).append(beside(client, route, body, args.delay))
+            for name, (route, make_body) in cases(window).items():
+                if args.cases in name:
+                    results.setdefault(name, []).append(beside(client, route, make_body(), args.delay))
     medians = {name: {key: statistics.median(r[key] for r in runs) for key in ("expensive_s", "small_s", "health_max_s")}
                | {"statuses": sorted({r["status"] for r in runs})} for name, runs in results.items()}
     table = Table(title=f"beside expensive requests ({args.target}, window {window}, medians of {args.repeats})")
