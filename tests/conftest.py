@@ -69,6 +69,15 @@ def make_tiny_model(seed: int = 0, tokenizer=None, max_context: int = 4096, hidd
 
 
 @pytest.fixture(scope="session", autouse=True)
+def embedding_store_folder(tmp_path_factory):
+    """Chunk embeddings stored by tests go to a folder of this session, not the user's cache (subprocesses too)."""
+    path = tmp_path_factory.mktemp("embeddings")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAPIDSPEC_EMBEDDING_STORE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session", autouse=True)
 def attention_choices_file(tmp_path_factory):
     """Attention paths measured by tests are kept in a file of this session, not the user's cache (subprocesses too)."""
     path = tmp_path_factory.mktemp("attention") / "attention_paths.json"

@@ -79,6 +79,9 @@ def add_retrieval_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--budget-tokens", type=int, default=None, help="retrieved tokens (default: clamp(doc_tokens // 16, 256, 4096))")
     group.add_argument("--chunk-tokens", type=int, default=_DEFAULT_RETRIEVAL.chunk_tokens, help="tokens per chunk (default: %(default)s)")
     group.add_argument("--embedding-model", default=_DEFAULT_RETRIEVAL.embedding_model, help="sentence-transformers model for dense retrieval (default: builtin MiniLM)")
+    group.add_argument("--embedding-store-gib", type=float, default=_DEFAULT_RETRIEVAL.embedding_store_gib,
+                       help="disk space for chunk embeddings reused across runs by content, in $RAPIDSPEC_CACHE/embeddings "
+                            "(least recently used removed beyond it; 0 = off; default: %(default)s)")
 
 
 def decode_config(args: argparse.Namespace, **overrides) -> DecodeConfig:
@@ -95,6 +98,7 @@ def retrieval_config(args: argparse.Namespace) -> RetrievalConfig:
         budget_tokens=args.budget_tokens,
         chunk_tokens=args.chunk_tokens,
         embedding_model=args.embedding_model,
+        embedding_store_gib=args.embedding_store_gib,
     )
 
 

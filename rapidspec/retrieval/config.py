@@ -59,6 +59,9 @@ class RetrievalConfig:
         rrf_k: the ``k`` of reciprocal-rank fusion, ``1 / (k + rank)``.
         max_cached_documents: how many documents' chunks, BM25 indexes and
             embeddings a :class:`~rapidspec.retrieval.Retriever` keeps (LRU).
+        embedding_store_gib: disk space for chunk embeddings kept across
+            processes by content (:mod:`rapidspec.retrieval.embedding_store`,
+            least recently used removed beyond it); 0 = off.
     """
 
     method: str = "auto"
@@ -71,6 +74,7 @@ class RetrievalConfig:
     batch_size: int = 32
     rrf_k: int = 60
     max_cached_documents: int = 8
+    embedding_store_gib: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -94,6 +98,9 @@ class RetrievalConfig:
         _check_int("batch_size", self.batch_size, minimum=1, maximum=4096)
         _check_int("rrf_k", self.rrf_k, minimum=1)
         _check_int("max_cached_documents", self.max_cached_documents, minimum=1, maximum=1024)
+        if (isinstance(self.embedding_store_gib, bool) or not isinstance(self.embedding_store_gib, (int, float))
+                or not 0 <= self.embedding_store_gib <= 1024):
+            raise RapidspecError(f"embedding_store_gib must be in [0, 1024], got {self.embedding_store_gib!r}")
 
 
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval.config import BUILTIN_EMBEDDER
+from rapidspec.retrieval.embedding_store import EmbeddingStore, embedder_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +97,18 @@ def split_windows(embedder: Any, texts: Sequence[str]) -> tuple[list[str], np.nd
 class DenseIndex:
     """Normalised embeddings of a fixed list of texts, for cosine scoring."""
 
-    def __init__(self, embedder: Any, texts: Sequence[str], *, batch_size: int = 32) -> None:
+    def __init__(self, embedder: Any, texts: Sequence[str], *, batch_size: int = 32,
+                 store: EmbeddingStore | None = None) -> None:
+        """``store``: embeddings on disk, read instead of embedding when these windows were embedded before."""
         self._embedder = embedder
         self._num_texts = len(texts)
         windows, self._owners = split_windows(embedder, texts)
+        key = store.key(embedder_fingerprint(embedder), windows) if store is not None else None
+        stored = store.load(key, len(windows)) if store is not None else None
+        if stored is not None:
+            logger.info("read the embeddings of %d chunks from %s", len(texts), store.directory)
+            self._vectors = stored  # [num_windows, dim], unit rows
+            return
         progress = len(windows) >= PROGRESS_MIN_WINDOWS and sys.stderr.isatty()
         logger.info("embedding %d chunks as %d windows", len(texts), len(windows))
         encode = getattr(embedder, "encode_document", embedder.encode)
@@ -113,6 +122,8 @@ class DenseIndex:
             ),
             dtype=np.float32,
         )
+        if store is not None:
+            store.save(key, self._vectors)
 
     @property
     def num_windows(self) -> int:

@@ -37,6 +37,7 @@ from rapidspec.retrieval.bm25 import BM25Index
 from rapidspec.retrieval.chunking import Chunk, Chunker
 from rapidspec.retrieval.config import AUTO_METHOD, RetrievalConfig
 from rapidspec.retrieval.dense import DenseIndex, load_embedder
+from rapidspec.retrieval.embedding_store import EmbeddingStore
 from rapidspec.retrieval.fusion import rank_by_score, reciprocal_rank_fusion
 from rapidspec.retrieval.selection import default_budget, select_chunks
 
@@ -161,6 +162,8 @@ class Retriever:
         self._embedder = embedder
         self._documents: OrderedDict[str, _DocumentState] = OrderedDict()
         self._documents_lock = threading.Lock()  # a server prepares requests on several threads
+        gib = self.config.embedding_store_gib
+        self._store = EmbeddingStore(max_bytes=int(gib * 2**30)) if gib > 0 else None
 
     @property
     def embedder(self) -> Any:
@@ -346,7 +349,8 @@ class Retriever:
     def _dense(self, state: _DocumentState) -> DenseIndex:
         model = self.config.embedding_model
         if model not in state.dense:
-            state.dense[model] = DenseIndex(self.embedder, [c.text for c in state.chunks], batch_size=self.config.batch_size)
+            state.dense[model] = DenseIndex(self.embedder, [c.text for c in state.chunks],
+                                            batch_size=self.config.batch_size, store=self._store)
         return state.dense[model]
 
 

@@ -1,0 +1,144 @@
+"""Chunk embeddings on disk, keyed by content, so another process embedding the same text reads them.
+
+A :class:`~rapidspec.retrieval.dense.DenseIndex` asks the store before it
+embeds: the key is a SHA-256 over the embedder's fingerprint and the exact
+window texts it would embed, so a second ``rapidspec generate`` on the same
+document, a restarted server or another replica on the machine reuses the
+vectors, and a changed document, chunking or embedder is a different key
+(nothing to invalidate by hand). The embedder's fingerprint is its own
+embedding of a fixed probe text (rounded to 4 decimals): other weights give
+another fingerprint; how it cuts long chunks is in the window texts.
+
+Files live under ``<cache>/embeddings/`` (``$RAPIDSPEC_CACHE``, see
+:mod:`rapidspec.runtime.cache_dir`; ``$RAPIDSPEC_EMBEDDING_STORE`` names
+another folder), one ``.npy`` each, written to a
+temporary name and renamed (a reader never sees half a file); beyond
+``max_bytes`` the least recently used are removed. A file that cannot be
+read is removed and the text embedded again; a store that cannot be
+written is logged once and the run goes on without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rapidspec.runtime.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+#: Text whose embedding fingerprints an embedder's weights.
+PROBE = "rapidspec embedding store probe: the quick brown fox jumps over the lazy dog."
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def embedder_fingerprint(embedder: Any) -> str:
+    """A short hash naming what ``embedder`` computes (computed once per embedder object)."""
+    try:
+        return _FINGERPRINTS[embedder]
+    except (KeyError, TypeError):
+        pass
+    probe = np.asarray(embedder.encode([PROBE], normalize_embeddings=True, convert_to_numpy=True,
+                                       show_progress_bar=False), dtype=np.float32)  # [1, dim]
+    digest = hashlib.sha256(f"{probe.shape}\0".encode())
+    digest.update(np.round(probe, 4).tobytes())  # rounding: the same weights on another device agree
+    fingerprint = digest.hexdigest()[:16]
+    try:
+        _FINGERPRINTS[embedder] = fingerprint
+    except TypeError:  # not weakly referenceable: computed again next time
+        pass
+    return fingerprint
+
+
+def default_directory() -> Path:
+    """``$RAPIDSPEC_EMBEDDING_STORE`` if set, else ``<cache>/embeddings`` (read on every call)."""
+    if os.environ.get("RAPIDSPEC_EMBEDDING_STORE"):
+        return Path(os.environ["RAPIDSPEC_EMBEDDING_STORE"]).expanduser()
+    return cache_root() / "embeddings"
+
+
+class EmbeddingStore:
+    """Embeddings by key in ``directory`` (None: :func:`default_directory`), at most ``max_bytes`` of them."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, max_bytes: int = 1 << 30) -> None:
+        self.directory = Path(directory) if directory is not None else default_directory()
+        self.max_bytes = max_bytes
+        self._warned = False
+
+    @staticmethod
+    def key(fingerprint: str, windows: Sequence[str]) -> str:
+        digest = hashlib.sha256(fingerprint.encode())
+        for window in windows:
+            digest.update(len(window).to_bytes(8, "little"))
+            digest.update(window.encode("utf-8", "surrogatepass"))
+        return digest.hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.npy"
+
+    def load(self, key: str, rows: int) -> np.ndarray | None:
+        """The stored ``[rows, dim]`` vectors of ``key``, or None (a miss, or a file that does not fit: removed)."""
+        path = self._path(key)
+        try:
+            vectors = np.load(path, allow_pickle=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError) as err:
+            logger.warning("ignoring an unreadable embedding file %s (%s)", path, err)
+            _remove(path)
+            return None
+        if vectors.ndim != 2 or vectors.shape[0] != rows or vectors.dtype != np.float32:
+            _remove(path)
+            return None
+        try:
+            os.utime(path)  # recently used
+        except OSError:
+            pass
+        return vectors
+
+    def save(self, key: str, vectors: np.ndarray) -> None:
+        """Store ``vectors`` under ``key``; never raises (a full or read-only disk is logged once)."""
+        path = self._path(key)
+        temporary = path.with_name(f".{key}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(temporary, "wb") as file:
+                np.save(file, np.ascontiguousarray(vectors, dtype=np.float32), allow_pickle=False)
+            os.replace(temporary, path)
+            self._prune()
+        except OSError as err:
+            _remove(temporary)
+            if not self._warned:
+                logger.warning("cannot store embeddings in %s (%s); embedding without the disk store", self.directory, err)
+                self._warned = True
+
+    def _prune(self) -> None:
+        """Remove the least recently used files beyond ``max_bytes``."""
+        files = []
+        for path in self.directory.glob("*.npy"):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            _remove(path)
+            total -= size
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
