@@ -181,3 +181,18 @@ def test_a_failing_job_reports_its_error_and_the_others_go_on():
 
     asyncio.run(scenario())
     assert events == ["error"] and log == ["good"]
+
+
+def test_a_job_prepared_after_the_worker_stopped_ends_at_once():
+    """A request still being prepared when the server shuts down gets its end (a 503), not a wait for ever."""
+    import asyncio
+
+    async def scenario():
+        worker = Worker(max_queue=2, max_num_seqs=1)
+        job = worker.admit()
+        await asyncio.to_thread(worker.stop)
+        worker.run(job, lambda emit, cancelled: pytest.fail("ran after the stop"))
+        return await asyncio.wait_for(job.events.get(), 5), worker.waiting
+
+    event, waiting = asyncio.run(scenario())
+    assert event == ("end", None) and waiting == 0

@@ -86,6 +86,7 @@ class Worker:
         self._waiting = 0
         self._queued: set[Job] = set()  # submitted, not yet taken by the thread nor cancelled
         self._running: list[tuple[Job, Iterator[None]]] = []
+        self._stopped = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="rapidspec-engine", daemon=True)
         self._thread.start()
@@ -125,6 +126,11 @@ class Worker:
         with self._lock:
             if job not in self._queued:
                 return
+            if self._stopped:  # prepared while the server shut down: it will not run
+                self._queued.discard(job)
+                self._waiting -= 1
+                job.emit("end")
+                return
             job.work = work
             job.submitted = time.perf_counter()  # the queue's wait starts now (metrics)
         self._jobs.put(job)
@@ -139,6 +145,8 @@ class Worker:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what waits and what runs, and end the thread (after the running jobs' current steps)."""
+        with self._lock:
+            self._stopped = True
         while True:
             try:
                 job = self._jobs.get_nowait()
