@@ -47,7 +47,7 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
     group = parser.add_argument_group("decoding")
     if modes:
         group.add_argument("--mode", default=_DEFAULT_DECODE.mode, choices=MODES, help="lc, rag, sd, ragsd, rapid, magicdec or lookup (default: rapid)")
-    group.add_argument("--eta", type=float, default=None, help="retrieval-augmented target strength (rapid only; default: by how the drafter relates to the target, 2 for self-speculation)")
+    group.add_argument("--eta", type=float, default=None, help="retrieval-augmented target strength (rapid only; default: by how the drafter relates to the target, 1 for self-speculation)")
     group.add_argument("--gamma", type=int, default=_DEFAULT_DECODE.gamma, help="drafted tokens per round (default: %(default)s)")
     group.add_argument("--gamma-schedule", default=_DEFAULT_DECODE.gamma_schedule, choices=GAMMA_SCHEDULES,
                        help="constant; heuristic (adapt gamma to acceptance); cost (choose each round's drafts, 0 = a plain "

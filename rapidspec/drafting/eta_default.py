@@ -25,11 +25,12 @@ logger = logging.getLogger(__name__)
 
 Relation = Literal["self", "larger", "smaller"]
 #: Chosen by the decision rule in docs/quality.md ("The defaults and their evidence"): self-speculation on all
-#: 239 L-Eval multiple-choice questions (eta = 2 scored highest, +0.050 over lc, paired interval above 0), a
-#: 0.5B drafter for the 1.5B on all 112 QuALITY questions (eta = 2 the largest that lost at most 2 items lc
-#: and rag both had), upward speculation, the 1.5B drafting for the 0.5B on those 112 questions (eta = 10
-#: scored highest, +0.214 over lc, paired interval above 0).
-DEFAULT_ETA: dict[str, float] = {"self": 2.0, "larger": 10.0, "smaller": 2.0}
+#: 239 L-Eval multiple-choice questions (eta = 1 +0.038 over lc, eta = 2 +0.050, paired intervals above 0) and
+#: on multi-value needles at 8K, where eta = 2 lost to lc (-0.325, interval below 0) and eta = 1 did not, so
+#: eta = 1; a 0.5B drafter for the 1.5B on all 112 QuALITY questions (eta = 1 lost nothing and scored
+#: highest; eta = 2 carries the needle risk of an incomplete view); upward speculation, the 1.5B drafting for
+#: the 0.5B on those 112 questions (eta = 10 scored highest, +0.214 over lc, paired interval above 0).
+DEFAULT_ETA: dict[str, float] = {"self": 1.0, "larger": 10.0, "smaller": 1.0}
 #: A drafter with fewer parameters than this share of the target's counts as smaller.
 SMALLER_BELOW = 0.9
 
