@@ -11,6 +11,7 @@ from rapidspec.evaluation.report import load_records
 
 def write_results(path, items: int = 6, model: str = "tiny", method: str = "bm25"):
     config = {"model": model, "drafter": None, "data": "synthetic", "temperature": 0.0, "seed": 0,
+              "max_new_tokens": {"needle": 128, "qa": 32},  # per-task limits, as eval writes them
               "retrieval": {"method": method, "budget_tokens": None}}
     lines = []
     for index in range(items):

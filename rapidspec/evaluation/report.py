@@ -12,6 +12,8 @@ data, so the *direction* of each effect compares, not the values.
 
 from __future__ import annotations
 
+import json
+
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -165,8 +167,10 @@ def retrieval_section(files: Sequence[list[dict]]) -> list[str]:
         method = retrieval.pop("method", None)
         rag = [r for r in records if r["mode"] == "rag" and r.get("sweep") is None]
         if method and rag:
-            same = (config.get("model"), config.get("data"), config.get("temperature"), config.get("max_new_tokens"),
-                    tuple(sorted(retrieval.items())), config.get("retrieve_from"), frozenset(r["id"] for r in rag))
+            settings = [config.get(k) for k in ("model", "data", "temperature", "max_new_tokens", "retrieve_from")]
+            # max_new_tokens is a dict of per-task limits in newer files: compare the settings as JSON
+            same = (settings[0], settings[1], json.dumps([settings, retrieval], sort_keys=True, default=str),
+                    frozenset(r["id"] for r in rag))
             cells[same][method] = summarize(overall(rag))[0]
     compared = {same: rows for same, rows in cells.items() if len(rows) > 1}
     if not compared:
