@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from rapidspec import Rapid
+from rapidspec.drafting.eta_default import DEFAULT_ETA
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import SlowEngine, metric, running_server, wait_until
 
@@ -44,7 +45,7 @@ def test_models_and_health(client, server, engine):
     health = httpx.get(f"{server}/health").json()
     assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
     # which eta rapid uses when a request names none, and why (the drafter is another model of the same size)
-    assert health["rapid_eta"] == {"default": 5.0, "reason": "default for a drafter at least as large as the target",
+    assert health["rapid_eta"] == {"default": DEFAULT_ETA["larger"], "reason": "default for a drafter at least as large as the target",
                                    "drafter": engine.drafter_label, "drafter_relation": "larger"}
 
 
@@ -59,7 +60,7 @@ def test_chat_completion_usage_and_statistics(client):
     assert out.usage.prompt_tokens == stats["prompt_tokens_target"]
     assert out.usage.total_tokens == out.usage.prompt_tokens + 12
     assert stats["mode"] == "rapid" and stats["gamma"] == 3 and stats["drafted_tokens"] > 0
-    assert stats["eta"] == 5.0 and stats["eta_source"] == "default for a drafter at least as large as the target"
+    assert stats["eta"] == DEFAULT_ETA["larger"] and stats["eta_source"] == "default for a drafter at least as large as the target"
     assert out.model_extra["rapidspec"]["retrieval"]["num_chunks"] > 0
     assert out.model_extra["rapidspec"]["retrieved_turns"]
 
