@@ -103,12 +103,13 @@ class DenseIndex:
         self._embedder = embedder
         self._num_texts = len(texts)
         windows, self._owners = split_windows(embedder, texts)
-        key = store.key(embedder_fingerprint(embedder), windows) if store is not None else None
-        stored = store.load(key, len(windows)) if store is not None else None
-        if stored is not None:
-            logger.info("read the embeddings of %d chunks from %s", len(texts), store.directory)
-            self._vectors = stored  # [num_windows, dim], unit rows
-            return
+        if store is not None:
+            key = store.key(embedder_fingerprint(embedder), windows)
+            stored = store.load(key, len(windows))
+            if stored is not None:
+                logger.info("read the embeddings of %d chunks from %s", len(texts), store.directory)
+                self._vectors = stored  # [num_windows, dim], unit rows
+                return
         progress = len(windows) >= PROGRESS_MIN_WINDOWS and sys.stderr.isatty()
         logger.info("embedding %d chunks as %d windows", len(texts), len(windows))
         encode = getattr(embedder, "encode_document", embedder.encode)
