@@ -14,6 +14,7 @@ server's log (as vLLM does), so vendor extras do not break clients.
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields, replace
 from typing import Any, Literal
 
@@ -43,8 +44,14 @@ def invalid_text_path(data: Any) -> str | None:
     """The path (``messages[0].content``) of the first string or key in ``data`` that is not valid UTF-8.
 
     JSON may spell lone surrogates (``"\\ud800"``, or the raw bytes ED A0 80, which Python's decoder
-    accepts); no tokenizer can encode them. Walks without recursion (bodies may nest deeply).
+    accepts); no tokenizer can encode them. A valid body costs one C-speed ``json.dumps``; the walk that
+    names the path (without recursion: bodies may nest deeply) runs only when that finds something.
     """
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return None
+    except (UnicodeEncodeError, TypeError, ValueError, RecursionError):
+        pass  # a lone surrogate somewhere, or a body json cannot write back: walk it
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:
         path, value = stack.pop()
