@@ -41,6 +41,7 @@ import numpy as np
 
 from rapidspec.evaluation.synthetic import synthetic_items
 from rapidspec.retrieval import RetrievalConfig, Retriever, resolve_tokenizer
+from rapidspec.retrieval.config import EMBEDDING_DTYPES
 from rapidspec.retrieval.dense import load_embedder
 from rapidspec.retrieval.selection import select_chunks
 from rapidspec.textio import read_text
@@ -140,6 +141,8 @@ def main() -> None:
     parser.add_argument("--methods", default="bm25,dense,hybrid")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
     parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--embedding-dtype", default="auto", choices=EMBEDDING_DTYPES,
+                        help="the embedder's dtype (default: auto, as retrieval uses it)")
     args = parser.parse_args()
     if not args.data_path and not args.needles:
         parser.error("give a LoCoMo file, --needles LENGTHS, or both")
@@ -152,7 +155,7 @@ def main() -> None:
         cases += [conversation_case(s) for s in json.loads(read_text(args.data_path))[: args.limit]]
     if args.needles:
         cases += needle_cases([int(n) for n in args.needles.split(",")], args.per_task, tokenizer)
-    embedder = load_embedder() if any(m != "bm25" for m in methods) else None
+    embedder = load_embedder(dtype=args.embedding_dtype) if any(m != "bm25" for m in methods) else None
 
     started = time.perf_counter()
     hits = measure(cases, methods, budgets, args.chunk_tokens, tokenizer, embedder)

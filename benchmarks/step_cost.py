@@ -11,7 +11,13 @@ the machine's memory bandwidth. This script measures, in one process:
   forwards after two warm-ups, for each ``--runtimes`` entry (``lean`` and
   ``transformers`` side by side: the before and after of the lean forward),
   the runtimes taking turns step by step so that noise hits them alike;
-* each step's bytes, its roofline time and its ratio to it.
+* each step's bytes, its roofline time and its ratio to it;
+* the verify's floor: the larger of its bytes over the bandwidth (a plain
+  step's) and its arithmetic (2 x tokens x linear weights, plus 4 x tokens x
+  heads x head_dim x context x layers for attention) over the machine's
+  matrix-product rate (median of a [512, 4096] x [4096, 4096] product in the
+  model's dtype). Where the arithmetic floor is the larger, a verify of that
+  many tokens cannot cost as little as a plain step on this machine.
 
     python benchmarks/step_cost.py --lengths 4096,8192 --drafter-quantize int8
     python benchmarks/step_cost.py --target builtin:qwen2.5-coder-1.5b \\
@@ -53,6 +59,30 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
         buffer.sum()
         times.append(time.perf_counter() - started)
     return buffer.nbytes / statistics.median(times)
+
+
+def matmul_flops(dtype: torch.dtype, repeats: int = 5) -> float:
+    """Floating-point operations per second of a [512, 4096] x [4096, 4096] product in ``dtype``, median of ``repeats``."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(512, 4096, generator=generator).to(dtype)
+    b = torch.randn(4096, 4096, generator=generator).to(dtype)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - started)
+    return 2 * 512 * 4096 * 4096 / statistics.median(times)
+
+
+def forward_flops(model: torch.nn.Module, tokens: int, length: int) -> float:
+    """Arithmetic of forwarding ``tokens`` after ``length`` cached ones: the linear layers and attention's two products."""
+    linear = sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "in_features")
+                 and hasattr(m, "out_features") and not list(m.children()))
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 4 * tokens * config.num_attention_heads * head_dim * length * config.num_hidden_layers
+    return 2 * tokens * linear + attention
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -130,7 +160,7 @@ def load_pair(args, runtime: str):
     return target, target
 
 
-def measure(args, pairs: dict, bandwidth: float, console: Console) -> list[dict]:
+def measure(args, pairs: dict, bandwidth: float, flops: float, console: Console) -> list[dict]:
     """Rows of step costs; ``pairs``: runtime -> (target, drafter)."""
     target, drafter = next(iter(pairs.values()))
     targets = {runtime: pair[0] for runtime, pair in pairs.items()}
@@ -149,13 +179,14 @@ def measure(args, pairs: dict, bandwidth: float, console: Console) -> list[dict]
         plain = interleaved_medians(caches, ids[length - 1 : length], args.steps)
         verify = interleaved_medians(caches, ids[length - 1 : length - 1 + args.verify_tokens], args.steps)
         plain_bytes = target_weights + cache_bytes(target.model, length)
+        verify_floor = max(plain_bytes / bandwidth, forward_flops(target.model, args.verify_tokens, length) / flops)
         for runtime in args.runtimes:
             rows.append({
                 "runtime": runtime, "length": length, "prefill_s": prefill[runtime],
                 "prefill_tok_s": (length - 1) / prefill[runtime],
                 "plain_ms": 1e3 * plain[runtime], "plain_roofline_ms": 1e3 * plain_bytes / bandwidth,
                 "verify_tokens": args.verify_tokens, "verify_ms": 1e3 * verify[runtime],
-                "verify_per_plain": verify[runtime] / plain[runtime],
+                "verify_per_plain": verify[runtime] / plain[runtime], "verify_floor_ms": 1e3 * verify_floor,
                 "drafter_tokens": args.drafter_tokens, "drafter_ms": 1e3 * drafter_step[runtime],
                 "drafter_roofline_ms": 1e3 * drafter_bytes / bandwidth,
             })
@@ -191,23 +222,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with torch.inference_mode():
         bandwidth = read_bandwidth(args.bandwidth_megabytes)
-        rows = measure(args, pairs, bandwidth, console)
-    table = Table(title=f"step costs, medians of {args.steps} (read bandwidth {bandwidth / 1e9:.1f} GB/s)")
+        flops = matmul_flops(next(iter(pairs.values()))[0].model.dtype)
+        rows = measure(args, pairs, bandwidth, flops, console)
+    table = Table(title=f"step costs, medians of {args.steps} (read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+                        f"matrix products {flops / 1e9:.0f} GFLOP/s)")
     for column in ("runtime", "context", "plain step", "roofline", "x roofline", f"verify {args.verify_tokens}",
-                   "verify/plain", f"drafter @{args.drafter_tokens}", "drafter roofline", "prefill tok/s"):
+                   "verify/plain", "verify floor", f"drafter @{args.drafter_tokens}", "drafter roofline",
+                   "prefill tok/s"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
             row["runtime"], str(row["length"]), f"{row['plain_ms']:.1f} ms", f"{row['plain_roofline_ms']:.1f} ms",
             f"{row['plain_ms'] / row['plain_roofline_ms']:.2f}", f"{row['verify_ms']:.1f} ms",
-            f"{row['verify_per_plain']:.2f}", f"{row['drafter_ms']:.1f} ms", f"{row['drafter_roofline_ms']:.1f} ms",
+            f"{row['verify_per_plain']:.2f}", f"{row['verify_floor_ms']:.1f} ms", f"{row['drafter_ms']:.1f} ms", f"{row['drafter_roofline_ms']:.1f} ms",
             f"{row['prefill_tok_s']:.0f}",
         )
     Console(width=160).print(table)
     print(json.dumps({
         "target": args.target, "drafter": args.drafter or "self", "dtype": args.dtype,
         "drafter_quantize": args.drafter_quantize, "threads": torch.get_num_threads(),
-        "read_bandwidth_gb_s": bandwidth / 1e9, "rows": rows,
+        "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": flops / 1e9, "rows": rows,
     }))
     return 0
 

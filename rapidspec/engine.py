@@ -66,6 +66,8 @@ class Rapid:
     ``drafter_backend``: ``auto``, ``torch`` or ``llama.cpp``
     (:mod:`rapidspec.models.backend`); a request's ``DecodeConfig.drafter_backend``
     may pick another one. ``drafter_threads``: llama.cpp's threads (default: torch's).
+    ``drafter_prefill``: ``auto``, ``beside`` or ``after``: whether a llama.cpp drafter prefills while
+    the target prefills (``auto``: where the CPU has cores to spare, :mod:`rapidspec.drafting.factory`).
     ``reuse_document_cache``: keep target caches in the prefix cache, and each
     drafter backend's last cache, for later prompts sharing a prefix.
     """
@@ -73,7 +75,7 @@ class Rapid:
     def __init__(self, target, drafter=None, retrieval=None, template: PromptTemplate | None = None,
                  prefill_chunk_tokens: int = 2048, reuse_document_cache: bool = True,
                  prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB, drafter_backend: str = "auto",
-                 drafter_threads: int | None = None) -> None:
+                 drafter_threads: int | None = None, drafter_prefill: str = "auto") -> None:
         from rapidspec.retrieval import RetrievalConfig, Retriever
 
         self.target = target
@@ -86,7 +88,7 @@ class Rapid:
         self.prefix_cache = PrefixCache(int(prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
         self.eos_token_ids = eos_token_ids(target)
         self.drafting = DrafterFactory(target, drafter, drafter_backend, drafter_threads, prefill_chunk_tokens,
-                                       keep=reuse_document_cache)
+                                       keep=reuse_document_cache, prefill=drafter_prefill)
         self.vocab_size = self.drafting.vocab_size
         self._eta_warnings = EtaWarnings()
 
@@ -96,7 +98,7 @@ class Rapid:
         target, drafter = spec.load()
         return cls(target, drafter, retrieval=retrieval, reuse_document_cache=reuse_document_cache,
                    prefix_cache_gib=spec.prefix_cache_gib, drafter_backend=spec.drafter_backend,
-                   drafter_threads=spec.drafter_threads)
+                   drafter_threads=spec.drafter_threads, drafter_prefill=spec.drafter_prefill)
 
     @property
     def drafter(self):
@@ -220,21 +222,32 @@ class Rapid:
             started = time.perf_counter()
             use_store = self.reuse_document_cache and not prompts.target_reads_retrieved
             room = len(target_seq) + config.max_new_tokens + config.max_gamma + 1  # all a generation can hold
+            beside = None  # a llama.cpp drafter prefilling on its own threads meanwhile (factory docstring)
+            if self.drafting.prefills_beside(config):
+                beside = self.drafting.start_beside(prompts, config, stats, target_device)
+                stats.drafter_prefill_beside = True
             try:
                 target_cache = yield from self._prefill_target(
                     target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()),
                     prefill_progress, StreamChunk(text="") if yield_prefill_chunks else None)
             except PrefillStopped:
+                _drop_started(beside)
                 if out_of_time():
                     raise RapidspecError(f"the prefill of {len(target_seq)} prompt tokens did not finish within "
                                          f"time_limit_s={config.time_limit_s:g}", code="time_limit_exceeded") from None
                 raise
+            except BaseException:
+                _drop_started(beside)
+                raise
             _sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
             started = time.perf_counter()
-            drafter = self.drafting.start(prompts, config, stats, target_device)
-            if drafter is not None and drafter.cache is not None:
-                _sync(drafter.device)
+            if beside is not None:  # only the wait beyond the target's prefill counts (totals stay wall time)
+                drafter, stats.drafter_prefill_own_seconds = beside.result()
+            else:
+                drafter = self.drafting.start(prompts, config, stats, target_device)
+                if drafter is not None and drafter.cache is not None:
+                    _sync(drafter.device)
             stats.drafter_prefill_seconds = time.perf_counter() - started
 
             # 2-5 decode
@@ -242,7 +255,8 @@ class Rapid:
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
             try:
                 vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits, same tokens
-                sync = profile or config.gamma_schedule == "cost"  # the cost schedule needs exact step times
+                # the cost schedule needs exact step times
+                sync = profile or (config.gamma_schedule == "cost" and drafter is not None)
                 run = _Generation(config, sampling.SamplingParams.of(config), stats, generator, target_cache,
                                   target_seq, drafter, schedule or new_schedule(config),
                                   frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time)
@@ -299,7 +313,8 @@ class Rapid:
             remaining = config.max_new_tokens - (len(seq) - prompt_length)
             # 2 draft
             t0 = time.perf_counter()
-            k = 0 if drafter is None else min(run.schedule.next_drafts(), remaining - 1)
+            requested = 0 if drafter is None else run.schedule.next_drafts()
+            k = min(requested, remaining - 1)
             proposal = NO_PROPOSAL if drafter is None else drafter.propose(k, config, run.generator, run.stop_tokens)
             run.wait_for_drafter()
             # 3 verify: one target forward over [pending, x_1..x_k]
@@ -311,9 +326,10 @@ class Rapid:
             # 4 accept; with eta > 0 and every draft accepted, p^ at k + 1 needs the drafter's row there
             t2 = time.perf_counter()
             verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, run.params, run.generator)
-            bonus_row, asked = None, verdict.next_token is None
-            if asked:
-                bonus_row = None if drafter is None else drafter.bonus_row(config, run.stop_tokens, run.sync)
+            # a schedule asking for 0 drafts asks for a plain step: the token follows p (no drafter forward)
+            bonus_row, asked = None, verdict.next_token is None and requested > 0
+            if verdict.next_token is None:
+                bonus_row = drafter.bonus_row(config, run.stop_tokens, run.sync) if asked else None
                 next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, run.params, run.generator)
                 verdict = sampling.Verdict(verdict.accepted, next_token)
             if drafter is not None:
@@ -350,6 +366,19 @@ class Rapid:
         output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
                                   None if config.logprobs is None else tuple(run.logprobs))
         yield StreamChunk(text="", token_ids=(), output=output)
+
+
+def _drop_started(beside) -> None:
+    """Wait for a drafter started beside a prefill that failed or was stopped, and give its cache back."""
+    if beside is None:
+        return
+    try:
+        drafter, _ = beside.result()
+    except Exception:  # noqa: BLE001  (the prefill's own error is the one raised)
+        logger.debug("the drafter's prefill beside a stopped target prefill failed", exc_info=True)
+        return
+    if drafter is not None:
+        drafter.close(keep=True)  # its prefill finished: the cache is consistent
 
 
 @dataclass

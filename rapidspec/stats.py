@@ -34,7 +34,7 @@ class GenerationStats:
     eta: float = 0.0
     eta_source: str | None = None  # rapid: "given" or the default's reason (rapidspec.drafting.eta_default)
     gamma: int = 0
-    gamma_schedule: str = "constant"
+    gamma_schedule: str = "cost"
     prompt_tokens_target: int = 0
     prompt_tokens_drafter: int = 0
     document_tokens_truncated: int = 0
@@ -45,7 +45,9 @@ class GenerationStats:
     drafter: str = ""  # what drafted: the drafter's label and backend, or "lookup"
     retrieval_seconds: float = 0.0
     target_prefill_seconds: float = 0.0
-    drafter_prefill_seconds: float = 0.0
+    drafter_prefill_seconds: float = 0.0  # with the drafter prefilling beside the target: the wait after it
+    drafter_prefill_own_seconds: float = 0.0  # the drafter's prefill itself, when it ran beside the target's
+    drafter_prefill_beside: bool = False
     decode_seconds: float = 0.0
     # Where decode time goes (see ``rapidspec bench --profile``).
     draft_seconds: float = 0.0

@@ -194,3 +194,20 @@ def test_grouped_matmul_attention_equals_repeated_heads(mask_kind, q_len):
     for batched in (False, True):
         got = grouped_matmul_attention(query, key, value, mask, 0.25, batched=batched)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [0.125, 0.1])
+def test_a_power_of_two_scale_on_the_queries_gives_the_same_numbers_as_on_the_scores(dtype, scaling):
+    """Scaling the query rows by 2**-k (head_dim 64) instead of the scores is exact: identical outputs, bit for bit.
+    Other scales stay on the scores (the reference here computes them that way too)."""
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, q_len, kv_len, dim = 6, 2, 7, 300, 64
+    query = torch.randn(1, heads, q_len, dim, generator=generator).to(dtype)
+    key = torch.randn(1, kv_heads, kv_len, dim, generator=generator).to(dtype)
+    value = torch.randn(1, kv_heads, kv_len, dim, generator=generator).to(dtype)
+    stacked = query.reshape(1, kv_heads, heads // kv_heads * q_len, dim)[0]  # [kv, g*q, d]
+    scores = torch.bmm(stacked, key[0].transpose(1, 2)).mul_(scaling)  # [kv, g*q, n], scaled after the product
+    expected = torch.bmm(scores.softmax(-1), value[0]).reshape(1, heads, q_len, dim)
+    got = grouped_matmul_attention(query, key, value, None, scaling, batched=True)
+    assert torch.equal(got, expected)

@@ -133,9 +133,47 @@ def test_sampled_sequences_follow_the_target(markov_pair, mode, eta, confidence)
     assert chisquare(counts.ravel(), expected * (n / expected.sum())).pvalue > 1e-4
 
 
+def test_plain_rounds_follow_the_target_even_when_eta_is_positive(markov_pair):
+    """A schedule asking for 0 drafts gets plain steps: tokens follow p, not p^, and the drafter never runs.
+
+    3000 answers of 3 tokens, eta = 3; chi-square over the 64 outcomes against
+    p's joint (with a correct engine it fails with probability 1e-4), and
+    against p^'s joint, which these tokens must not follow (p^ and p differ
+    enough here that a correct engine passes this with probability > 1 - 1e-6).
+    """
+    target, drafter, states = markov_pair
+    rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)
+    config = DecodeConfig(mode="rapid", eta=3.0, gamma=1, temperature=1.0, max_new_tokens=3)
+    prompts = rapid.document_prompts(DOCUMENT, QUESTION, config)
+    generator = torch.Generator().manual_seed(13)
+    n = 3000
+    index = {s: i for i, s in enumerate(states)}
+    counts = np.zeros((4, 4, 4))
+    for _ in range(n):
+        out = last_output(rapid.decode(prompts, config, generator=generator, schedule=PlainSteps()))
+        assert out.stats.drafted_tokens == 0 and out.stats.draft_seconds == 0.0
+        counts[tuple(index[t] for t in out.token_ids)] += 1
+    follows_p, follows_p_hat = (expected_joint(eta, 0.1, 3).ravel() * n for eta in (0.0, 3.0))
+    assert chisquare(counts.ravel(), follows_p * (n / follows_p.sum())).pvalue > 1e-4
+    assert chisquare(counts.ravel(), follows_p_hat * (n / follows_p_hat.sum())).pvalue < 1e-6
+
+
 # With a flat verify cost, drafting k = 1 pays iff a_1 > draft_step / verify = 0.5: after round 1
 # (gamma = 1) a_1 is 0.75 if its draft was accepted, 0.25 if not, so later rounds depend on history.
 HISTORY_DEPENDENT_COSTS = StepCosts(draft_step=0.5, verify_base=1.0, verify_per_token=0.0)
+# Drafts so cheap that every k >= 1 beats a plain step (E(1) / C(1) >= 1.25 / 1.0625 > 1) while the
+# best k still grows with a_1: with eta > 0 no round is plain, so every token follows p^.
+CHEAP_DRAFT_COSTS = StepCosts(draft_step=0.05, verify_base=1.0, verify_per_token=0.0)
+
+
+class PlainSteps:
+    """A gamma schedule asking for a plain step every round."""
+
+    def next_drafts(self) -> int:
+        return 0
+
+    def record(self, round_) -> None:
+        pass
 
 
 @pytest.mark.parametrize(("mode", "eta"), [("ragsd", 0.0), ("rapid", 3.0)])
@@ -144,8 +182,9 @@ def test_cost_schedule_sampled_sequences_follow_the_target(markov_pair, mode, et
 
     The costs are fixed so the choice depends on the history: with eta = 0,
     k = 0 (a plain step) after a rejected first draft and k = 1 after an
-    accepted one; with eta = 3 (k_min = 1, bonus forward counted), k = 1 after
-    a rejection, 2 after an acceptance. 3000 answers of 5 tokens; chi-square
+    accepted one; with eta = 3 (cheap drafts, bonus forward counted, no plain
+    round), k = 1 after a rejection, more after an acceptance. 3000 answers
+    of 5 tokens; chi-square
     over the 64 outcomes of the first 3 tokens, which rounds of every kind
     produce. With a correct engine each case fails with probability 1e-4.
     """
@@ -159,7 +198,8 @@ def test_cost_schedule_sampled_sequences_follow_the_target(markov_pair, mode, et
     counts = np.zeros((4, 4, 4))
     plain_rounds = drafted_again = drafted_two = 0
     for _ in range(n):
-        schedule = CostSchedule(config.gamma, config.max_gamma, eta, fixed_costs=HISTORY_DEPENDENT_COSTS)
+        costs = HISTORY_DEPENDENT_COSTS if eta == 0 else CHEAP_DRAFT_COSTS
+        schedule = CostSchedule(config.gamma, config.max_gamma, eta, fixed_costs=costs)
         out = last_output(rapid.decode(prompts, config, generator=generator, schedule=schedule))
         counts[tuple(index[t] for t in out.token_ids[:3])] += 1
         plain_rounds += out.stats.plain_rounds
@@ -171,6 +211,31 @@ def test_cost_schedule_sampled_sequences_follow_the_target(markov_pair, mode, et
         assert plain_rounds < n / 4 and drafted_two > n / 2
     expected = expected_joint(eta, 0.1, 3).ravel() * n
     assert chisquare(counts.ravel(), expected * (n / expected.sum())).pvalue > 1e-4
+
+
+def test_plain_rounds_follow_the_target_even_when_eta_is_positive(markov_pair):
+    """A schedule asking for 0 drafts gets plain steps: tokens follow p, not p^, and the drafter never runs.
+
+    3000 answers of 3 tokens, eta = 3; chi-square over the 64 outcomes against
+    p's joint (with a correct engine it fails with probability 1e-4), and
+    against p^'s joint, which these tokens must not follow (p^ and p differ
+    enough here that a correct engine passes this with probability > 1 - 1e-6).
+    """
+    target, drafter, states = markov_pair
+    rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)
+    config = DecodeConfig(mode="rapid", eta=3.0, gamma=1, temperature=1.0, max_new_tokens=3)
+    prompts = rapid.document_prompts(DOCUMENT, QUESTION, config)
+    generator = torch.Generator().manual_seed(13)
+    n = 3000
+    index = {s: i for i, s in enumerate(states)}
+    counts = np.zeros((4, 4, 4))
+    for _ in range(n):
+        out = last_output(rapid.decode(prompts, config, generator=generator, schedule=PlainSteps()))
+        assert out.stats.drafted_tokens == 0 and out.stats.draft_seconds == 0.0
+        counts[tuple(index[t] for t in out.token_ids)] += 1
+    follows_p, follows_p_hat = (expected_joint(eta, 0.1, 3).ravel() * n for eta in (0.0, 3.0))
+    assert chisquare(counts.ravel(), follows_p * (n / follows_p.sum())).pvalue > 1e-4
+    assert chisquare(counts.ravel(), follows_p_hat * (n / follows_p_hat.sum())).pvalue < 1e-6
 
 
 def forced(byte_tokenizer, target_next: dict[str, str], draft_next: dict[str, str], start_t: str, start_d: str, eos_after=None):

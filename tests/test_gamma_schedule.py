@@ -25,7 +25,6 @@ from rapidspec.drafting.gamma_schedule import (
     decayed_acceptance_counts,
     expected_round_seconds,
     expected_tokens,
-    min_drafts,
     new_schedule,
     verify_line,
 )
@@ -68,7 +67,7 @@ def test_best_drafts_by_hand():
     # drafting dearer than what it saves: k=1 gives 1.9 / 1.1 = 1.7 tokens/s against 10 for a plain step
     dear = StepCosts(draft_step=1.0, verify_base=0.1, verify_per_token=0.0)
     assert best_drafts(a, dear, 0, 4, bonus_forward=False) == 0
-    assert best_drafts(a, dear, 1, 4, bonus_forward=True) == 1  # k_min = 1 when eta > 0
+    assert best_drafts(a, dear, 0, 4, bonus_forward=True) == 0  # eta > 0 too: a plain step, no drafter forward
     # a steep verify line (CPU-like) against a flat one (GPU-like), same acceptance 0.8
     steep = StepCosts(draft_step=0.045, verify_base=0.067, verify_per_token=0.014)
     # k=0 1/0.081 = 12.35, k=1 1.8/0.14 = 12.86, k=2 2.44/0.199 = 12.26
@@ -86,11 +85,6 @@ def test_best_drafts_is_the_argmax_of_expected_tokens_per_second():
         k_min, bonus = rng.choice([(0, False), (1, True)])
         rates = [expected_tokens(a, k) / expected_round_seconds(k, a, costs, bonus) for k in range(k_min, 9)]
         assert best_drafts(a, costs, k_min, 8, bonus) == k_min + rates.index(max(rates))
-
-
-def test_min_drafts_is_one_when_eta_is_positive():
-    assert min_drafts(0.0) == 0
-    assert min_drafts(0.5) == 1 and min_drafts(2.0) == 1
 
 
 def test_decayed_acceptance_counts_by_hand():
@@ -165,11 +159,11 @@ def test_constant_and_heuristic_schedules():
 
 
 def test_new_schedule_follows_the_config():
-    assert isinstance(new_schedule(DecodeConfig()), ConstantSchedule)
+    assert isinstance(new_schedule(DecodeConfig(gamma_schedule="constant")), ConstantSchedule)
     assert isinstance(new_schedule(DecodeConfig(gamma_schedule="heuristic")), HeuristicSchedule)
-    rapid = new_schedule(DecodeConfig(gamma_schedule="cost", gamma=3, max_gamma=9))
-    assert isinstance(rapid, CostSchedule) and (rapid.gamma, rapid.max_gamma, rapid.k_min) == (3, 9, 1)
-    assert new_schedule(DecodeConfig(mode="sd", gamma_schedule="cost")).k_min == 0
+    rapid = new_schedule(DecodeConfig(gamma=3, max_gamma=9))  # cost is the default
+    assert isinstance(rapid, CostSchedule) and (rapid.gamma, rapid.max_gamma, rapid.k_min) == (3, 9, 0)
+    assert rapid.bonus_forward and not new_schedule(DecodeConfig(mode="sd")).bonus_forward
 
 
 @pytest.mark.parametrize(("eta", "calibration"), [(0.0, 0), (2.0, 1)])
@@ -247,15 +241,26 @@ def test_cost_schedule_comes_back_when_acceptance_recovers():
     assert chosen[-1] >= 4 and 0 not in chosen[PROBE_EVERY:]
 
 
-def test_cost_schedule_with_eta_never_chooses_a_plain_round():
+@pytest.mark.parametrize("eta", [0.0, 2.0])
+def test_cost_schedule_takes_plain_rounds_when_drafting_is_dear_at_any_eta(eta):
+    """A plain step (k = 0) wins against dear drafts with eta > 0 as with eta = 0; probes keep coming."""
     dear = StepCosts(draft_step=1.0, verify_base=0.1, verify_per_token=0.0)
-    schedule = CostSchedule(3, 16, 2.0, fixed_costs=dear)
+    schedule = CostSchedule(3, 16, eta, fixed_costs=dear)
     chosen = []
-    for _ in range(20):
+    for _ in range(17):
         k = schedule.next_drafts()
         chosen.append(k)
         schedule.record(round_record(k, 0, forwards=k))
-    assert chosen == [3] + [1] * 19
+    assert chosen == [3] + ([0] * (PROBE_EVERY - 1) + [PROBE_DRAFTS]) * 2
+
+
+def test_cost_schedule_with_eta_calibrates_with_drafts():
+    """While calibrating, eta > 0 drafts at least one token (its tokens stay on p^ until a plain step is chosen)."""
+    assert calibration_drafts([2], 1, 8) == 2 and calibration_drafts([7], 1, 8) == 1
+    schedule = CostSchedule(1, 16, 2.0)
+    for _ in range(2):
+        schedule.record(round_record(schedule.next_drafts(), 1))  # two rounds verifying 2 tokens
+    assert schedule.costs() is None and schedule.next_drafts() == 2  # not 0: 1 token was not measured
 
 
 # ---------------------------------------------------------- config, stats, CLI
@@ -275,7 +280,7 @@ def test_stats_count_plain_rounds_and_mean_drafts():
     assert stats.verify_seconds == pytest.approx(0.4) and stats.accept_seconds == pytest.approx(0.04)
     assert stats.draft_seconds == pytest.approx(0.06)
     out = stats.to_dict()
-    assert out["plain_rounds"] == 2 and out["mean_drafts_per_round"] == 1.5 and out["gamma_schedule"] == "constant"
+    assert out["plain_rounds"] == 2 and out["mean_drafts_per_round"] == 1.5 and out["gamma_schedule"] == "cost"
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve", "demo", "bench", "eval"])

@@ -210,3 +210,45 @@ def test_cli_refuses_llama_cpp_without_a_gguf_in_one_line(tiny_model_dir, tmp_pa
                  "--drafter-backend", "llama.cpp", "--max-new-tokens", "4"])
     err = capsys.readouterr().err
     assert code == 2 and "reads GGUF files" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode", ["ragsd", "rapid"])
+def test_a_drafter_prefilling_beside_the_target_gives_the_same_answer(tiny_model, ggufs, mode):
+    """drafter_prefill="beside": the llama.cpp drafter prefills on its own thread meanwhile; same tokens, both caches
+    exact, and the drafter's cache is kept for the next question as after a prefill that waits."""
+    after = llama_engine(tiny_model, ggufs["self"], drafter_prefill="after")
+    beside = llama_engine(tiny_model, ggufs["self"], drafter_prefill="beside")
+    config = DecodeConfig(mode=mode, eta=2.0 if mode == "rapid" else 0.0, gamma=4, max_new_tokens=24)
+    expected = after.generate(DOCUMENT, QUESTION, config=config)
+    got = beside.generate(DOCUMENT, QUESTION, config=config)
+    assert got.token_ids == expected.token_ids and got.stats.drafter_prefill_beside
+    assert not expected.stats.drafter_prefill_beside and got.stats.drafter_prefill_own_seconds > 0
+    again = beside.generate(DOCUMENT, "What shade was the lighthouse of paragraph 3?", config=config)
+    assert again.stats.drafter_prefill_reused_tokens > 0
+
+
+def test_auto_prefills_beside_only_with_cores_to_spare(tiny_model, ggufs, monkeypatch):
+    import rapidspec.drafting.factory as factory
+
+    engine = llama_engine(tiny_model, ggufs["self"], drafter_threads=2)
+    rapid, lc = DecodeConfig(mode="rapid"), DecodeConfig(mode="lc")
+    monkeypatch.setattr(factory, "spare_cores", lambda: 1)
+    assert not engine.drafting.prefills_beside(rapid)
+    monkeypatch.setattr(factory, "spare_cores", lambda: 2)
+    assert engine.drafting.prefills_beside(rapid) and not engine.drafting.prefills_beside(lc)
+    assert not engine.drafting.prefills_beside(DecodeConfig(mode="rapid", drafter_backend="torch"))
+    assert not llama_engine(tiny_model, ggufs["self"], drafter_prefill="after").drafting.prefills_beside(rapid)
+    with pytest.raises(RapidspecError, match="drafter_prefill must be one of auto, beside, after"):
+        llama_engine(tiny_model, ggufs["self"], drafter_prefill="sometimes")
+
+
+def test_a_stopped_prefill_gives_the_drafter_started_beside_back(tiny_model, ggufs):
+    """A client leaving during the target's prefill: the drafter started beside it is waited for and kept."""
+    engine = llama_engine(tiny_model, ggufs["self"], drafter_prefill="beside")
+    config = DecodeConfig(mode="ragsd", gamma=4, max_new_tokens=8)
+    prompts = engine.document_prompts(DOCUMENT, QUESTION, config)
+    stream = engine.decode(prompts, config, yield_prefill_chunks=True)
+    next(stream)  # the first prefill chunk
+    stream.close()
+    out = engine.generate(DOCUMENT, QUESTION, config=config)
+    assert out.stats.drafter_prefill_reused_tokens > 0  # the drafter's cache came back to the pool

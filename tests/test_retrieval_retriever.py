@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -248,3 +249,36 @@ def test_default_budget_cuts_chunks_to_fit():
         Retriever(RetrievalConfig(method="bm25", chunk_tokens=512, budget_tokens=100), tokenizer=tok).retrieve(
             document, "password?"
         )
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_the_embedder_loads_in_the_configured_dtype(tok, dtype, expected):
+    config = RetrievalConfig(method="dense", chunk_tokens=32, budget_tokens=32, embedding_dtype=dtype)
+    r = Retriever(config, tokenizer=tok)
+    r.warm_up()
+    assert next(r.loaded_embedder.parameters()).dtype == expected
+    doc = "Photosynthesis turns light into sugar in the leaves.\n\n" + "The stock market fell after the rate decision. " * 8
+    assert "Photosynthesis" in r.retrieve(doc, "How do plants make sugar from light?").text
+
+
+def test_auto_embedding_dtype_follows_the_hardware(tok):
+    from rapidspec.models.devices import resolve_dtype
+
+    r = Retriever(RetrievalConfig(method="dense"), tokenizer=tok)
+    r.warm_up()
+    assert next(r.loaded_embedder.parameters()).dtype == resolve_dtype("auto", r.loaded_embedder.device)
+
+
+def test_embedding_dtype_is_validated():
+    with pytest.raises(RapidspecError, match="embedding_dtype must be one of auto, float32, bfloat16, float16"):
+        RetrievalConfig(embedding_dtype="int8")
+
+
+def test_chunkers_of_every_size_share_one_tokenizer_copy(tok):
+    """warm_up builds the chunker of chunk_tokens; a budget-sized one reuses its private tokenizer copy."""
+    r = Retriever(RetrievalConfig(method="bm25", chunk_tokens=64), tokenizer=tok)
+    r.warm_up()
+    assert list(r._chunkers) == [64] and r.loaded_embedder is None  # bm25: no embedder
+    r._chunker(48)
+    assert {id(c._backend) for c in r._chunkers.values()} == {id(r._private_tokenizer)}
+    assert r._private_tokenizer.tokenizer is not tok.backend_tokenizer  # a copy: the caller's is never modified

@@ -28,6 +28,14 @@ def test_bytes_of_a_step(tiny_model, tiny_model_dir):
     assert step_cost.weight_bytes(packed.model) == 4 * (linear + norms)
 
 
+def test_arithmetic_of_a_forward(tiny_model, tiny_model_dir):
+    """2 x tokens x linear weights + 4 x tokens x heads x head_dim x context x layers, packed or not."""
+    linear = 2 * (32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 64) + 32 * 257
+    expected = 2 * 7 * linear + 4 * 7 * 4 * 8 * 100 * 2
+    assert step_cost.forward_flops(tiny_model.model, 7, 100) == expected
+    assert step_cost.forward_flops(load_model(str(tiny_model_dir), dtype="float32").model, 7, 100) == expected
+
+
 def test_a_run_prints_a_table_and_a_json_line(tiny_model_dir, capsys):
     code = step_cost.main([
         "--target", str(tiny_model_dir), "--dtype", "float32", "--lengths", "64,128", "--drafter-tokens", "32",
@@ -39,7 +47,8 @@ def test_a_run_prints_a_table_and_a_json_line(tiny_model_dir, capsys):
     assert [(r["runtime"], r["length"]) for r in rows] == [("lean", 64), ("transformers", 64), ("lean", 128), ("transformers", 128)]
     assert all(r["plain_ms"] > 0 and r["verify_ms"] > 0 and r["plain_roofline_ms"] > 0 for r in rows)
     assert rows[2]["plain_roofline_ms"] > rows[0]["plain_roofline_ms"]  # more cache to read
-    assert result["read_bandwidth_gb_s"] > 0
+    assert result["read_bandwidth_gb_s"] > 0 and result["matmul_gflop_s"] > 0
+    assert all(r["verify_floor_ms"] >= r["plain_roofline_ms"] for r in rows)  # never below a plain step's bytes
 
 
 def test_bad_options_are_one_line_errors(tiny_model_dir, capsys):

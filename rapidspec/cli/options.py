@@ -7,11 +7,12 @@ import json
 from dataclasses import fields
 
 from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
-from rapidspec.models.backend import DRAFTER_BACKENDS
+from rapidspec.models.backend import DRAFTER_BACKENDS, DRAFTER_PREFILLS
 from rapidspec.errors import RapidspecError
 from rapidspec.models import RUNTIMES
 from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.retrieval import METHODS, RetrievalConfig
+from rapidspec.retrieval.config import EMBEDDING_DTYPES
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
 from rapidspec.runtime.quantization import QUANTIZATIONS
 
@@ -36,6 +37,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "--drafter-quantize (default: %(default)s)")
     group.add_argument("--drafter-threads", type=int, default=None,
                        help="threads of the llama.cpp drafter (default: torch's thread count)")
+    group.add_argument("--drafter-prefill", default="auto", choices=DRAFTER_PREFILLS,
+                       help="when a llama.cpp drafter prefills: beside the target's prefill, after it, or auto "
+                            "(beside where the CPU has a core to spare per drafter thread beyond torch's; default: auto)")
     group.add_argument("--quiet", action="store_true",
                        help="no progress bar for long prefills on stderr (none is shown when stderr is not a terminal)")
     group.add_argument("--runtime", default="auto", choices=RUNTIMES,
@@ -79,6 +83,8 @@ def add_retrieval_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--budget-tokens", type=int, default=None, help="retrieved tokens (default: clamp(doc_tokens // 16, 256, 4096))")
     group.add_argument("--chunk-tokens", type=int, default=_DEFAULT_RETRIEVAL.chunk_tokens, help="tokens per chunk (default: %(default)s)")
     group.add_argument("--embedding-model", default=_DEFAULT_RETRIEVAL.embedding_model, help="sentence-transformers model for dense retrieval (default: builtin MiniLM)")
+    group.add_argument("--embedding-dtype", default=_DEFAULT_RETRIEVAL.embedding_dtype, choices=EMBEDDING_DTYPES,
+                       help="the embedder's dtype (default: auto, bfloat16 where the device computes in it natively)")
     group.add_argument("--embedding-store-gib", type=float, default=_DEFAULT_RETRIEVAL.embedding_store_gib,
                        help="disk space for chunk embeddings reused across runs by content, in $RAPIDSPEC_CACHE/embeddings "
                             "(least recently used removed beyond it; 0 = off; default: %(default)s)")
@@ -98,6 +104,7 @@ def retrieval_config(args: argparse.Namespace) -> RetrievalConfig:
         budget_tokens=args.budget_tokens,
         chunk_tokens=args.chunk_tokens,
         embedding_model=args.embedding_model,
+        embedding_dtype=args.embedding_dtype,
         embedding_store_gib=args.embedding_store_gib,
     )
 
@@ -109,6 +116,7 @@ def model_spec(args: argparse.Namespace):
     return ModelSpec(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                      drafter_device=args.drafter_device, quantize=args.quantize, drafter_quantize=args.drafter_quantize,
                      runtime=args.runtime, drafter_backend=args.drafter_backend, drafter_threads=args.drafter_threads,
+                     drafter_prefill=args.drafter_prefill,
                      prefix_cache_gib=getattr(args, "prefix_cache_gib", DEFAULT_PREFIX_CACHE_GIB))
 
 

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from rapidspec.retrieval.config import BUILTIN_EMBEDDER, METHODS, RetrievalConfig
+from rapidspec.retrieval.config import BUILTIN_EMBEDDER, EMBEDDING_DTYPES, METHODS, RetrievalConfig
 from rapidspec.retrieval.retriever import RetrievalResult, Retriever
 from rapidspec.retrieval.tokenizers import BUILTIN, resolve_tokenizer
 from rapidspec.textio import read_text
@@ -40,6 +40,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--min-score", type=float, default=None, metavar="X", help="drop chunks scoring below X (method's own score)")
     p.add_argument("--embedding-model", default=BUILTIN_EMBEDDER, metavar="NAME",
                    help="sentence-transformers model name or path, available offline (default: builtin all-MiniLM-L6-v2)")
+    p.add_argument("--embedding-dtype", default="auto", choices=EMBEDDING_DTYPES,
+                   help="the embedder's dtype (default: auto, bfloat16 where the device computes in it natively)")
     p.add_argument("--tokenizer", default=BUILTIN, metavar="MODEL",
                    help="tokenizer counting tokens: builtin (SmolLM2) or a local/cached HF model (default: builtin)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         budget_tokens=args.budget_tokens,
         min_score=args.min_score,
         embedding_model=args.embedding_model,
+        embedding_dtype=args.embedding_dtype,
     )
     document = read_text(args.document)
     retriever = Retriever(config, tokenizer=resolve_tokenizer(args.tokenizer))

@@ -13,6 +13,7 @@ checked against the target's token for token.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ class DrafterPool:
     def __init__(self, keep: bool = True) -> None:
         self.keep = keep
         self._idle = None
+        self._idle_lock = threading.Lock()  # a drafter may start on the factory's prefill thread
 
     def _new_cache(self, tokens: int):
         raise NotImplementedError
@@ -44,7 +46,8 @@ class DrafterPool:
         ``room``: tokens the answer may add (max new tokens and drafts).
         """
         wanted = list(prompt_ids[:-1])
-        cache, self._idle = self._idle, None
+        with self._idle_lock:
+            cache, self._idle = self._idle, None
         if cache is None or not self._fits(cache, len(prompt_ids) + room):
             cache = self._new_cache(len(prompt_ids) + room)
         cache.reserve(len(prompt_ids) + room)  # allocated once for the whole generation
@@ -54,7 +57,8 @@ class DrafterPool:
         return ModelDrafter(cache, list(prompt_ids), vocab_size, target_device, on_close=self._keep), reused
 
     def _keep(self, cache) -> None:
-        self._idle = cache if self.keep else None
+        with self._idle_lock:
+            self._idle = cache if self.keep else None
 
     def clear(self) -> None:
         """Forget the kept cache."""

@@ -8,16 +8,24 @@ prompt) and the drafter's relation to the target, which decides the default
 eta (:mod:`.eta_default`). :meth:`DrafterFactory.start` returns the drafter of
 one generation for the mode's drafter kind (:mod:`.modes`): a model drafter
 (:class:`~rapidspec.drafting.drafter.ModelDrafter`), a lookup drafter, or None.
+A llama.cpp drafter (its own threads, outside torch's) may prefill while the
+target prefills (:meth:`DrafterFactory.start_beside`): ``prefill="auto"`` does
+so where the CPU has a core to spare for each drafter thread beyond torch's
+threads, since on a CPU without them the two prefills only contend.
 A new drafter kind is a class following :class:`~rapidspec.drafting.drafter.Drafter`
 and a branch here, not in the engine.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
 from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters
-from rapidspec.models.backend import choose_backend, gguf_file
+from rapidspec.models.backend import DRAFTER_PREFILLS, choose_backend, gguf_file
 from rapidspec.drafting.eta_default import drafter_relation
 from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.drafting.modes import MODE_TABLE
@@ -25,11 +33,17 @@ from rapidspec.errors import RapidspecError
 from rapidspec.models.vocabulary import check_same_vocabulary, logit_width
 
 
+def spare_cores() -> int:
+    """CPU cores this process may use beyond torch's threads (those the target's prefill keeps busy)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return usable - torch.get_num_threads()
+
+
 class DrafterFactory:
     """The drafters of one engine over ``target``: see the module docstring."""
 
     def __init__(self, target, drafter=None, backend: str = "auto", threads: int | None = None,
-                 prefill_chunk_tokens: int = 2048, keep: bool = True) -> None:
+                 prefill_chunk_tokens: int = 2048, keep: bool = True, prefill: str = "auto") -> None:
         if drafter is not None and not isinstance(drafter, str) and drafter is not target:
             check_same_vocabulary(target.tokenizer, drafter.tokenizer)
         self.target = target
@@ -39,6 +53,10 @@ class DrafterFactory:
             raise RapidspecError(f"drafter_threads must be >= 1, got {threads}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.keep = keep
+        if prefill not in DRAFTER_PREFILLS:
+            raise RapidspecError(f"drafter_prefill must be one of {', '.join(DRAFTER_PREFILLS)}, got {prefill!r}")
+        self.prefill = prefill
+        self._beside: ThreadPoolExecutor | None = None
         self.backend = choose_backend(backend, target, drafter)
         self._pools: dict[str, object] = {}
         self._relation: str | None = None
@@ -102,6 +120,28 @@ class DrafterFactory:
         vocab = min(logit_width(self.target.model), pool.logit_width)
         drafter, stats.drafter_prefill_reused_tokens = pool.start(prompts.drafter_ids, room, vocab, device)
         return drafter
+
+    def prefills_beside(self, config) -> bool:
+        """Whether this generation's drafter prefills while the target prefills (module docstring)."""
+        if self.prefill == "after" or MODE_TABLE[config.mode].drafter_kind != "model":
+            return False
+        backend = choose_backend(config.drafter_backend, self.target, self._source) \
+            if config.drafter_backend != "auto" else self.backend
+        if backend != "llama.cpp":
+            return False
+        return self.prefill == "beside" or spare_cores() >= self.threads
+
+    def start_beside(self, prompts, config, stats, device: torch.device) -> Future:
+        """:meth:`start` on the factory's own thread; the future holds (drafter, seconds it took)."""
+        if self._beside is None:
+            self._beside = ThreadPoolExecutor(1, thread_name_prefix="rapidspec-drafter-prefill")
+
+        def run():
+            started = time.perf_counter()
+            drafter = self.start(prompts, config, stats, device)
+            return drafter, time.perf_counter() - started
+
+        return self._beside.submit(run)
 
     def clear(self) -> None:
         """Forget the caches the pools keep (the next drafter prefill starts from scratch)."""

@@ -16,11 +16,18 @@
   A round of k drafts then emits on average E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
   tokens and costs C(k) = k * d + v(k + 1) (+ d * prod_{j<=k} a_j when eta > 0:
   the drafter forward at the bonus position). The schedule drafts the k in
-  [k_min, max_gamma] with the most tokens per second E(k) / C(k) (measured costs:
+  [0, max_gamma] with the most tokens per second E(k) / C(k) (measured costs:
   at most EXTRAPOLATE_TOKENS more verified tokens than any round so far); k = 0 is a
-  plain target step (E = 1, C = v(1)), so speculation has to beat it. With
-  eta > 0, k_min = 1: p^ needs the drafter's q at every verified position, and
-  a round without drafts would emit from p instead.
+  plain target step (E = 1, C = v(1)), so speculation has to beat it: a round
+  is never expected to cost more per token than a plain step.
+
+A schedule answering 0 asks the engine for a plain step: one target forward,
+the token drawn from p, no drafter forward. With eta > 0 that token follows p,
+not p^ (p^ needs the drafter's q at its position, which costs the drafter
+forward the plain step is there to save); tokens of rounds that draft follow
+p^ as always. Only ``cost`` answers 0, and only when it expects every drafting
+round to be slower per token than the target alone: where the drafter's view
+does not fit the answer (acceptance low) or drafting is dear.
 
 The engine asks :meth:`next_drafts` before a round and reports the round to
 :meth:`record`; the math below is pure functions so it can be checked by hand.
@@ -80,11 +87,6 @@ class StepCosts:
 
 
 # ----------------------------------------------------------------- pure math
-def min_drafts(eta: float) -> int:
-    """Smallest k the cost schedule may choose: 0 (a plain step) when eta = 0, else 1 (p^ needs q)."""
-    return 0 if eta == 0 else 1
-
-
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     """E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j, tokens a round of k drafts emits on average.
 
@@ -253,7 +255,7 @@ class CostSchedule:
 
     def __init__(self, gamma: int, max_gamma: int, eta: float, fixed_costs: StepCosts | None = None) -> None:
         self.gamma, self.max_gamma, self.fixed_costs = gamma, max_gamma, fixed_costs
-        self.k_min, self.bonus_forward = min_drafts(eta), eta > 0
+        self.k_min, self.bonus_forward = 0, eta > 0  # k = 0: a plain step (module docstring)
         self.accepted_weight = [0.0] * max_gamma  # [max_gamma] decayed accepted counts per position
         self.observed_weight = [0.0] * max_gamma  # [max_gamma] decayed reached counts per position
         self.draft_step_samples: deque[float] = deque(maxlen=DRAFT_WINDOW)
@@ -283,7 +285,8 @@ class CostSchedule:
         if costs is None:
             if not self.draft_step_samples or not self.verify_samples:
                 return self.gamma
-            return calibration_drafts(list(self.verify_samples), self.k_min, self.max_gamma)
+            # calibrating with drafts keeps eta > 0's tokens on p^ until the costs say a plain step pays
+            return calibration_drafts(list(self.verify_samples), int(self.bonus_forward), self.max_gamma)
         k_max = self.max_gamma
         if self.fixed_costs is None:  # round k verifies k + 1 tokens
             k_max = max(self.k_min, min(k_max, max(self.verify_samples) - 1 + EXTRAPOLATE_TOKENS))

@@ -16,6 +16,10 @@ from pathlib import Path
 from rapidspec.errors import RapidspecError
 
 DRAFTER_BACKENDS: tuple[str, ...] = ("auto", "torch", "llama.cpp")
+#: When a llama.cpp drafter prefills its prompt: ``auto`` beside the target's prefill where the CPU has
+#: cores to spare for the drafter's threads (:func:`rapidspec.drafting.factory.spare_cores`), else after
+#: it; ``beside``; ``after``.
+DRAFTER_PREFILLS = ("auto", "beside", "after")
 
 
 def gguf_file(drafter) -> Path | None:

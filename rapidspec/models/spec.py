@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rapidspec.models.backend import DRAFTER_BACKENDS
+from rapidspec.models.backend import DRAFTER_BACKENDS, DRAFTER_PREFILLS
 from rapidspec.errors import RapidspecError
 from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.models.loading import RUNTIMES
@@ -28,6 +28,8 @@ class ModelSpec:
     llama.cpp (``drafter_backend`` auto or llama.cpp, a GGUF file, no torch
     quantization) is read there as it is and loaded by torch only if a request
     asks for torch. ``drafter_threads``: llama.cpp's threads (None: torch's);
+    ``drafter_prefill``: when a llama.cpp drafter prefills (``auto``: beside the
+    target's prefill where the CPU has cores to spare, ``beside``, ``after``);
     ``prefix_cache_gib``: the engine's store of target caches.
     """
 
@@ -41,6 +43,7 @@ class ModelSpec:
     runtime: str = "auto"
     drafter_backend: str = "auto"
     drafter_threads: int | None = None
+    drafter_prefill: str = "auto"
     prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB
 
     def __post_init__(self) -> None:
@@ -50,6 +53,8 @@ class ModelSpec:
                 raise RapidspecError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not self.target or not str(self.target).strip():
             raise RapidspecError("the target model name is empty")
+        if self.drafter_prefill not in DRAFTER_PREFILLS:
+            raise RapidspecError(f"drafter_prefill must be one of {', '.join(DRAFTER_PREFILLS)}, got {self.drafter_prefill!r}")
         if self.drafter_threads is not None and self.drafter_threads < 1:
             raise RapidspecError(f"drafter_threads must be >= 1, got {self.drafter_threads}")
         if self.prefix_cache_gib < 0:

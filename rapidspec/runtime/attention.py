@@ -72,6 +72,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -286,7 +287,10 @@ def grouped_matmul_attention(
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    stacked = query.reshape(batch, kv_heads, groups * q_len, head_dim)  # [b, kv, g*q, d]
+    # A power-of-two scale (head_dim 64: 1/8) is exact in any float format, so it goes on the few query
+    # rows instead of the [g*q, n] scores (the same numbers, one pass over the scores less).
+    on_query = math.frexp(scaling)[0] == 0.5
+    stacked = (query * scaling if on_query else query).reshape(batch, kv_heads, groups * q_len, head_dim)  # [b, kv, g*q, d]
     if batched:  # torch.bmm per sequence: 4-D matmul would copy the strided cache views
         scores = torch.stack([torch.bmm(stacked[b], key[b].transpose(1, 2)) for b in range(batch)])  # [b, kv, g*q, n]
     else:
@@ -294,7 +298,7 @@ def grouped_matmul_attention(
         for b in range(batch):
             for j in range(kv_heads):
                 torch.matmul(stacked[b, j], key[b, j].transpose(0, 1), out=scores[b, j])  # [g*q, n]
-    scores = scores.mul_(scaling).view(batch, kv_heads, groups, q_len, kv_len)  # [b, kv, g, q, n]
+    scores = (scores if on_query else scores.mul_(scaling)).view(batch, kv_heads, groups, q_len, kv_len)  # [b, kv, g, q, n]
     if causal_tail and q_len > 1:
         future = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).triu_(1)  # [q, q]
         scores[..., kv_len - q_len :].masked_fill_(future, float("-inf"))
