@@ -35,6 +35,10 @@ class CountingEmbedder(BagOfWordsEmbedder):
         return super().encode(texts, **kwargs)
 
 
+def embedding_files(folder):
+    return [p for p in folder.glob("*.npy") if not p.name.startswith("chunks-")]
+
+
 def retriever(tok, embedder, folder, chunk_tokens=64, gib=1.0):
     config = RetrievalConfig(method="dense", chunk_tokens=chunk_tokens, embedding_store_gib=gib)
     r = Retriever(config, tokenizer=tok, embedder=embedder)
@@ -47,7 +51,7 @@ def test_a_second_retriever_reads_the_embeddings_instead_of_embedding(tok, tmp_p
     doc = haystack(60)
     first, again = CountingEmbedder(), CountingEmbedder()
     expected = retriever(tok, first, tmp_path).retrieve(doc, "winter garden")
-    assert first.texts > 10 and len(list(tmp_path.glob("*.npy"))) == 1
+    assert first.texts > 10 and len(embedding_files(tmp_path)) == 1
     result = retriever(tok, again, tmp_path).retrieve(doc, "winter garden")
     assert again.texts == 1  # the query only
     assert [c.index for c in result.chunks] == [c.index for c in expected.chunks]
@@ -60,7 +64,7 @@ def test_a_change_is_a_new_key(tok, tmp_path, change):
     embedder = CountingEmbedder(dim=32 if change == "embedder" else 64)
     other = retriever(tok, embedder, tmp_path, chunk_tokens=48 if change == "chunking" else 64)
     other.retrieve(haystack(60, seed=1) if change == "document" else doc, "winter")
-    assert embedder.texts > 10 and len(list(tmp_path.glob("*.npy"))) == 2
+    assert embedder.texts > 10 and len(embedding_files(tmp_path)) == 2
 
 
 def test_off_when_the_size_is_zero(tok, tmp_path):
@@ -75,7 +79,7 @@ def test_off_when_the_size_is_zero(tok, tmp_path):
 def test_an_unreadable_or_mismatched_file_is_replaced(tok, tmp_path):
     doc = haystack(40)
     retriever(tok, CountingEmbedder(), tmp_path).retrieve(doc, "winter")
-    [path] = tmp_path.glob("*.npy")
+    [path] = embedding_files(tmp_path)
     path.write_bytes(b"not an array")
     embedder = CountingEmbedder()
     retriever(tok, embedder, tmp_path).retrieve(doc, "winter")
@@ -126,7 +130,7 @@ def test_reused_across_processes(tmp_path):
     outputs = [subprocess.run([sys.executable, "-c", script, which], capture_output=True, text=True, env=env,
                               timeout=120) for which in ("first", "second")]
     assert all(o.returncode == 0 for o in outputs), outputs[1].stderr[-1000:]
-    assert outputs[0].stdout == outputs[1].stdout and len(list(tmp_path.glob("*.npy"))) == 1
+    assert outputs[0].stdout == outputs[1].stdout and len(embedding_files(tmp_path)) == 1
 
 
 def test_the_folder_follows_the_environment(tmp_path, monkeypatch):
@@ -135,3 +139,35 @@ def test_the_folder_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("RAPIDSPEC_EMBEDDING_STORE")
     monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path))
     assert default_directory() == tmp_path / "embeddings"
+
+
+def test_a_second_retriever_reads_the_chunks_without_a_splitter(tok, tmp_path):
+    """Chunk boundaries are stored too: a fresh retriever builds no chunker for a stored document."""
+    doc = haystack(60)
+    first = retriever(tok, CountingEmbedder(), tmp_path)
+    expected = first.retrieve(doc, "winter garden")
+    again = retriever(tok, CountingEmbedder(), tmp_path)
+    assert again.chunks(doc) == first.chunks(doc) and again._chunkers == {}
+    assert [c.text for c in again.retrieve(doc, "winter garden").chunks] == [c.text for c in expected.chunks]
+
+
+@pytest.mark.parametrize("change", ["document", "chunk size", "tokenizer"])
+def test_stored_chunks_follow_the_text_the_size_and_the_tokenizer(tok, tmp_path, change):
+    from tests.test_retrieval_retriever import NEEDLE, WORDS, train_bpe_tokenizer
+
+    doc = haystack(60)
+    retriever(tok, CountingEmbedder(), tmp_path).chunks(doc)
+    other_tok = train_bpe_tokenizer([" ".join(WORDS[::-1])] * 3 + [NEEDLE], 300) if change == "tokenizer" else tok
+    other = retriever(other_tok, CountingEmbedder(), tmp_path, chunk_tokens=48 if change == "chunk size" else 64)
+    other.chunks(haystack(60, seed=1) if change == "document" else doc)
+    assert other._chunkers != {}  # chunked, not read
+
+
+def test_stored_chunks_that_do_not_fit_the_document_are_ignored(tok, tmp_path):
+    doc = haystack(60)
+    first = retriever(tok, CountingEmbedder(), tmp_path)
+    expected = first.chunks(doc)
+    key = first._chunks_key(doc, 64)
+    first._store.save(key, np.array([[5, 3, 1]], dtype=np.int64))  # an end before its start
+    again = retriever(tok, CountingEmbedder(), tmp_path)
+    assert again.chunks(doc) == expected and again._chunkers != {}

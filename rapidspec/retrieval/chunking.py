@@ -35,6 +35,7 @@ shorter-than-necessary chunk per ~50K tokens.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -130,6 +131,17 @@ class Chunker:
         if oversized:
             logger.warning("%d chunk(s) exceed %d tokens (single characters too long to split)", oversized, self.chunk_tokens)
         return chunks
+
+
+@functools.lru_cache(maxsize=1)
+def splitter_version() -> str:
+    """The installed ``semantic-text-splitter`` version (stored chunks name it: another version may cut otherwise)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("semantic-text-splitter")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def split_sections(document: str, section_chars: int) -> list[tuple[int, int]]:

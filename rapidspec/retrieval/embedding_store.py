@@ -9,6 +9,11 @@ vectors, and a changed document, chunking or embedder is a different key
 embedding of a fixed probe text (rounded to 4 decimals): other weights give
 another fingerprint; how it cuts long chunks is in the window texts.
 
+The store also keeps each document's chunk boundaries (``[chunks, 3]``
+int64: start, end, tokens), keyed by the tokenizer (a hash of its
+serialisation), the chunking settings, the splitter's version and the text,
+so a later process neither builds a splitter nor chunks the document again.
+
 Files live under ``<cache>/embeddings/`` (``$RAPIDSPEC_CACHE``, see
 :mod:`rapidspec.runtime.cache_dir`; ``$RAPIDSPEC_EMBEDDING_STORE`` names
 another folder), one ``.npy`` each, written to a
@@ -58,6 +63,11 @@ def embedder_fingerprint(embedder: Any) -> str:
     return fingerprint
 
 
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash naming what ``tokenizer`` (a ``tokenizers.Tokenizer``) computes: its serialisation."""
+    return hashlib.sha256(tokenizer.to_str().encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def default_directory() -> Path:
     """``$RAPIDSPEC_EMBEDDING_STORE`` if set, else ``<cache>/embeddings`` (read on every call)."""
     if os.environ.get("RAPIDSPEC_EMBEDDING_STORE"):
@@ -84,8 +94,16 @@ class EmbeddingStore:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.npy"
 
-    def load(self, key: str, rows: int) -> np.ndarray | None:
-        """The stored ``[rows, dim]`` vectors of ``key``, or None (a miss, or a file that does not fit: removed)."""
+    @staticmethod
+    def chunks_key(tokenizer_fingerprint: str, settings: str, document: str) -> str:
+        """The key of a document's chunk boundaries: the tokenizer, the chunking settings and the text."""
+        digest = hashlib.sha256(f"chunks\0{tokenizer_fingerprint}\0{settings}\0".encode())
+        digest.update(document.encode("utf-8", "surrogatepass"))
+        return f"chunks-{digest.hexdigest()}"
+
+    def load(self, key: str, rows: int | None = None, dtype: type = np.float32) -> np.ndarray | None:
+        """The stored ``[rows, dim]`` array of ``key`` (``rows`` None: any), or None (a miss, or a file that does
+        not fit: removed). Embeddings are float32; chunk boundaries (:meth:`chunks_key`) int64."""
         path = self._path(key)
         try:
             vectors = np.load(path, allow_pickle=False)
@@ -95,7 +113,7 @@ class EmbeddingStore:
             logger.warning("ignoring an unreadable embedding file %s (%s)", path, err)
             _remove(path)
             return None
-        if vectors.ndim != 2 or vectors.shape[0] != rows or vectors.dtype != np.float32:
+        if vectors.ndim != 2 or (rows is not None and vectors.shape[0] != rows) or vectors.dtype != dtype:
             _remove(path)
             return None
         try:
@@ -105,13 +123,15 @@ class EmbeddingStore:
         return vectors
 
     def save(self, key: str, vectors: np.ndarray) -> None:
-        """Store ``vectors`` under ``key``; never raises (a full or read-only disk is logged once)."""
+        """Store ``vectors`` (float32, or int64 chunk boundaries) under ``key``; never raises (a full or read-only
+        disk is logged once)."""
         path = self._path(key)
         temporary = path.with_name(f".{key}.{os.getpid()}.{time.monotonic_ns()}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with open(temporary, "wb") as file:
-                np.save(file, np.ascontiguousarray(vectors, dtype=np.float32), allow_pickle=False)
+                kept = vectors if vectors.dtype == np.int64 else np.asarray(vectors, dtype=np.float32)
+                np.save(file, np.ascontiguousarray(kept), allow_pickle=False)
             os.replace(temporary, path)
             self._prune()
         except OSError as err:

@@ -14,7 +14,9 @@ and ``hybrid`` over documents; results name the method actually used.
 
 Per document (keyed by a SHA-256 of the chunking settings and the text) the
 retriever caches the chunks, the BM25 index and the chunk embeddings, so more
-questions on the same document only score and select. The embedder is loaded
+questions on the same document only score and select; with the embedding
+store on, chunk boundaries and embeddings are also kept on disk for other
+processes (:mod:`.embedding_store`). The embedder is loaded
 on first dense use, once per retriever; BM25-only use never loads it.
 A retriever is not thread-safe.
 """
@@ -34,10 +36,10 @@ import numpy as np
 
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval.bm25 import BM25Index
-from rapidspec.retrieval.chunking import Chunk, Chunker, private_tokenizer
+from rapidspec.retrieval.chunking import SECTION_CHARS, Chunk, Chunker, PrivateTokenizer, private_tokenizer, splitter_version
 from rapidspec.retrieval.config import AUTO_METHOD, RetrievalConfig
 from rapidspec.retrieval.dense import DenseIndex, load_embedder
-from rapidspec.retrieval.embedding_store import EmbeddingStore, embedder_fingerprint
+from rapidspec.retrieval.embedding_store import EmbeddingStore, embedder_fingerprint, tokenizer_fingerprint
 from rapidspec.retrieval.fusion import rank_by_score, reciprocal_rank_fusion
 from rapidspec.retrieval.selection import default_budget, select_chunks
 
@@ -160,6 +162,7 @@ class Retriever:
         self.tokenizer = tokenizer
         self._chunkers: dict[int, Chunker] = {}
         self._private_tokenizer: Any = None
+        self._tokenizer_fingerprint: str | None = None
         self._embedder = embedder
         self._documents: OrderedDict[str, _DocumentState] = OrderedDict()
         self._documents_lock = threading.Lock()  # a server prepares requests on several threads
@@ -177,6 +180,7 @@ class Retriever:
         """Load what a first query would: the chunker of ``chunk_tokens``, and the embedder (with its store
         fingerprint) when the method may use it, so a first query's time is retrieval alone."""
         self._chunker(self.config.chunk_tokens)
+        self._chunks_key("", self.config.chunk_tokens)  # the tokenizer's fingerprint, once
         if self.config.method in ("dense", "hybrid", "auto"):
             embedder = self.embedder
             if self._store is not None:
@@ -269,11 +273,15 @@ class Retriever:
 
     def _chunker(self, chunk_tokens: int) -> Chunker:
         if chunk_tokens not in self._chunkers:
-            if self._private_tokenizer is None:  # one copy of the tokenizer for every chunk size
-                self._private_tokenizer = private_tokenizer(self.tokenizer) or self.tokenizer
             overlap = min(self.config.overlap_tokens, chunk_tokens - 1)
-            self._chunkers[chunk_tokens] = Chunker(self._private_tokenizer, chunk_tokens, overlap)
+            self._chunkers[chunk_tokens] = Chunker(self._tokenizer_copy(), chunk_tokens, overlap)
         return self._chunkers[chunk_tokens]
+
+    def _tokenizer_copy(self) -> Any:
+        """One private copy of the tokenizer for every chunk size (the tokenizer itself when it is a slow one)."""
+        if self._private_tokenizer is None:
+            self._private_tokenizer = private_tokenizer(self.tokenizer) or self.tokenizer
+        return self._private_tokenizer
 
     def _state(self, document: str, chunk_tokens: int | None = None) -> _DocumentState:
         _check_text("document", document)
@@ -281,11 +289,30 @@ class Retriever:
 
         def build() -> _DocumentState:
             t0 = time.perf_counter()
-            state = _DocumentState(self._chunker(chunk_tokens).chunk(document))
-            logger.info("chunked %d chars into %d chunks in %.2f s", len(document), len(state.chunks), time.perf_counter() - t0)
-            return state
+            key = self._chunks_key(document, chunk_tokens)
+            chunks = None if key is None else _stored_chunks(self._store.load(key, None, np.int64), document)
+            if chunks is None:
+                chunks = self._chunker(chunk_tokens).chunk(document)
+                if key is not None:
+                    self._store.save(key, np.array([[c.char_start, c.char_end, c.num_tokens] for c in chunks],
+                                                   dtype=np.int64).reshape(-1, 3))
+            logger.info("chunked %d chars into %d chunks in %.2f s", len(document), len(chunks), time.perf_counter() - t0)
+            return _DocumentState(chunks)
 
         return self._cached(self._document_key(document, chunk_tokens), build)
+
+    def _chunks_key(self, document: str, chunk_tokens: int) -> str | None:
+        """The store's key of this document's chunks at ``chunk_tokens`` (None: no store, or a slow tokenizer)."""
+        if self._store is None:
+            return None
+        copy = self._tokenizer_copy()
+        if not isinstance(copy, PrivateTokenizer):
+            return None
+        if self._tokenizer_fingerprint is None:
+            self._tokenizer_fingerprint = tokenizer_fingerprint(copy.tokenizer)
+        overlap = min(self.config.overlap_tokens, chunk_tokens - 1)
+        settings = f"{chunk_tokens}/{overlap}/{SECTION_CHARS}/semantic-text-splitter {splitter_version()}"
+        return EmbeddingStore.chunks_key(self._tokenizer_fingerprint, settings, document)
 
     def _segment_state(self, segments: list[str], chunk_tokens: int) -> _DocumentState:
         """Chunks of each non-empty segment, with spans in ``"\\n\\n".join(segments)`` (cached)."""
@@ -372,3 +399,17 @@ def _check_text(name: str, text: object) -> None:
         raise RapidspecError(f"the {name} must be a string, got {type(text).__name__}")
     if not text.strip():
         raise RapidspecError(f"the {name} is empty")
+
+
+def _stored_chunks(spans: np.ndarray | None, document: str) -> tuple[Chunk, ...] | None:
+    """Chunks of ``document`` from stored ``[chunks, 3]`` (start, end, tokens) rows; None unless they fit it."""
+    if spans is None or spans.shape[1] != 3:
+        return None
+    rows = spans.tolist()
+    previous_start = 0  # chunks may overlap (overlap_tokens), never go back
+    for start, end, tokens in rows:
+        if not previous_start <= start < end <= len(document) or tokens < 0:
+            return None
+        previous_start = start
+    return tuple(Chunk(index=i, text=document[start:end], char_start=start, char_end=end, num_tokens=tokens)
+                 for i, (start, end, tokens) in enumerate(rows))

@@ -75,7 +75,6 @@ import logging
 import math
 import os
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -108,7 +107,8 @@ CHOICES_FILE_ENV = "RAPIDSPEC_ATTENTION_PATHS"
 CHOICES_FILE_NAME = "attention_paths.json"
 #: Layout of the choices file: ``{"format": 1, "machines": {machine_key: {shape class: path}}}``;
 #: a file of another format counts as empty.
-CHOICES_FORMAT = 1
+CHOICES_FORMAT = 2  # 2: measured by the fastest of 8 timings (1, medians of 5, could keep a path that lost
+# by 10x when another process held the cores during the measurement: its files are measured again)
 
 
 def short_query_path(query: torch.Tensor, kv_heads: int, kv_len: int) -> str:
@@ -233,7 +233,12 @@ def _keep_choice(path: Path, machine: str, shape: str, measured: str) -> str:
 def measure_short_query_path(
     dtype: torch.dtype, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int
 ) -> str:
-    """The fastest of :data:`SHORT_QUERY_PATHS` for this shape, timed now (medians of 5).
+    """The fastest of :data:`SHORT_QUERY_PATHS` for this shape, timed now (the best of 8 timings each).
+
+    The best, not the median: another process on the cores only ever adds
+    time, so the minimum is the estimate it disturbs least (with medians of 5,
+    a measurement on a busy 2-core machine kept SDPA for one query at 16K keys,
+    about 10x slower than the products there).
 
     Costs a few milliseconds per shape class. Keys and values are views of
     longer buffers, as in a cache. Called only where no path is kept
@@ -253,15 +258,15 @@ def measure_short_query_path(
     }
     seconds = {name: [] for name in candidates}
     with torch.inference_mode():
-        for repeat in range(6):  # alternating, the first round a warm-up
+        for repeat in range(9):  # alternating, the first round a warm-up
             for name, run in candidates.items():
                 started = time.perf_counter()
                 run()
                 if repeat:
                     seconds[name].append(time.perf_counter() - started)
-    medians = {name: statistics.median(values) for name, values in seconds.items()}
-    logger.debug("attention %s h%d/%d q%d n%d d%d: %s", dtype, heads, kv_heads, q_len, kv_len, head_dim, medians)
-    return min(medians, key=medians.get)
+    best = {name: min(values) for name, values in seconds.items()}
+    logger.debug("attention %s h%d/%d q%d n%d d%d: %s", dtype, heads, kv_heads, q_len, kv_len, head_dim, best)
+    return min(best, key=best.get)
 
 
 def grouped_matmul_attention(
