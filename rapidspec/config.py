@@ -54,13 +54,14 @@ class DecodeConfig:
     * ``gamma``: drafted tokens per round. ``gamma_schedule="heuristic"``
       grows it by 2 after a fully accepted round and shrinks it by 1 otherwise
       (between 1 and ``max_gamma``), as transformers' assisted generation does.
-      ``"cost"`` (the default) drafts ``gamma`` in the first round, then the
-      k in [0, ``max_gamma``] with the most expected tokens per second from
-      the step costs and acceptance measured so far; k = 0 is a plain target
-      step, whose token follows p even when eta > 0, taken only when every
-      drafting round is expected to be slower per token
-      (:mod:`rapidspec.drafting.gamma_schedule`). ``"constant"`` always
-      drafts ``gamma`` (every token of ``rapid`` follows p^).
+      ``"cost"`` drafts ``gamma`` in the first round, then the k in [0,
+      ``max_gamma``] with the most expected tokens per second from the step
+      costs and acceptance measured so far; k = 0 is a plain target step,
+      whose token follows p even when eta > 0, taken only when every drafting
+      round is expected to be slower per token
+      (:mod:`rapidspec.drafting.gamma_schedule`). Its choices follow measured
+      times, so with eta > 0 (or sampling) two runs of one request may differ;
+      ``"constant"`` (default) drafts ``gamma`` every round and is reproducible.
     * ``draft_confidence``: a round stops drafting after a token the drafter
       gave a probability below this (q at temperature 1 when greedy, else the
       filtered q it was sampled from); 0 = always draft ``gamma`` tokens. The
@@ -91,7 +92,7 @@ class DecodeConfig:
     mode: Mode = "rapid"
     eta: float | None = None
     gamma: int = 6
-    gamma_schedule: Literal["constant", "heuristic", "cost"] = "cost"
+    gamma_schedule: Literal["constant", "heuristic", "cost"] = "constant"
     max_gamma: int = 16
     draft_confidence: float = 0.0
     temperature: float = 0.0

@@ -31,7 +31,7 @@ from rapidspec.config import DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
 from rapidspec.drafting import NO_PROPOSAL
 from rapidspec.drafting.eta_default import EtaWarnings, resolve_eta
-from rapidspec.drafting.factory import DrafterFactory
+from rapidspec.drafting.factory import DrafterFactory, drop_started
 from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
 from rapidspec.errors import RapidspecError
 from rapidspec.logprobs import round_logprobs
@@ -66,8 +66,7 @@ class Rapid:
     ``drafter_backend``: ``auto``, ``torch`` or ``llama.cpp``
     (:mod:`rapidspec.models.backend`); a request's ``DecodeConfig.drafter_backend``
     may pick another one. ``drafter_threads``: llama.cpp's threads (default: torch's).
-    ``drafter_prefill``: ``auto``, ``beside`` or ``after``: whether a llama.cpp drafter prefills while
-    the target prefills (``auto``: where the CPU has cores to spare, :mod:`rapidspec.drafting.factory`).
+    ``drafter_prefill``: ``auto``, ``beside`` or ``after`` the target's prefill (:mod:`rapidspec.drafting.factory`).
     ``reuse_document_cache``: keep target caches in the prefix cache, and each
     drafter backend's last cache, for later prompts sharing a prefix.
     """
@@ -222,41 +221,29 @@ class Rapid:
             started = time.perf_counter()
             use_store = self.reuse_document_cache and not prompts.target_reads_retrieved
             room = len(target_seq) + config.max_new_tokens + config.max_gamma + 1  # all a generation can hold
-            beside = None  # a llama.cpp drafter prefilling on its own threads meanwhile (factory docstring)
-            if self.drafting.prefills_beside(config):
-                beside = self.drafting.start_beside(prompts, config, stats, target_device)
-                stats.drafter_prefill_beside = True
+            beside = self.drafting.start_beside(prompts, config, stats, target_device)  # None: drafter after target
             try:
                 target_cache = yield from self._prefill_target(
                     target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()),
                     prefill_progress, StreamChunk(text="") if yield_prefill_chunks else None)
-            except PrefillStopped:
-                _drop_started(beside)
-                if out_of_time():
+            except BaseException as error:
+                drop_started(beside)
+                if isinstance(error, PrefillStopped) and out_of_time():
                     raise RapidspecError(f"the prefill of {len(target_seq)} prompt tokens did not finish within "
                                          f"time_limit_s={config.time_limit_s:g}", code="time_limit_exceeded") from None
-                raise
-            except BaseException:
-                _drop_started(beside)
                 raise
             _sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
             started = time.perf_counter()
-            if beside is not None:  # only the wait beyond the target's prefill counts (totals stay wall time)
-                drafter, stats.drafter_prefill_own_seconds = beside.result()
-            else:
-                drafter = self.drafting.start(prompts, config, stats, target_device)
-                if drafter is not None and drafter.cache is not None:
-                    _sync(drafter.device)
-            stats.drafter_prefill_seconds = time.perf_counter() - started
+            drafter = self.drafting.started(beside, prompts, config, stats, target_device)
+            stats.drafter_prefill_seconds = time.perf_counter() - started  # beside: the wait after the target's
 
             # 2-5 decode
             # (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
             try:
                 vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits, same tokens
-                # the cost schedule needs exact step times
-                sync = profile or (config.gamma_schedule == "cost" and drafter is not None)
+                sync = profile or (config.gamma_schedule == "cost" and drafter is not None)  # cost: exact times
                 run = _Generation(config, sampling.SamplingParams.of(config), stats, generator, target_cache,
                                   target_seq, drafter, schedule or new_schedule(config),
                                   frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time)
@@ -366,19 +353,6 @@ class Rapid:
         output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
                                   None if config.logprobs is None else tuple(run.logprobs))
         yield StreamChunk(text="", token_ids=(), output=output)
-
-
-def _drop_started(beside) -> None:
-    """Wait for a drafter started beside a prefill that failed or was stopped, and give its cache back."""
-    if beside is None:
-        return
-    try:
-        drafter, _ = beside.result()
-    except Exception:  # noqa: BLE001  (the prefill's own error is the one raised)
-        logger.debug("the drafter's prefill beside a stopped target prefill failed", exc_info=True)
-        return
-    if drafter is not None:
-        drafter.close(keep=True)  # its prefill finished: the cache is consistent
 
 
 @dataclass

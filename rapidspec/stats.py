@@ -34,7 +34,7 @@ class GenerationStats:
     eta: float = 0.0
     eta_source: str | None = None  # rapid: "given" or the default's reason (rapidspec.drafting.eta_default)
     gamma: int = 0
-    gamma_schedule: str = "cost"
+    gamma_schedule: str = "constant"
     prompt_tokens_target: int = 0
     prompt_tokens_drafter: int = 0
     document_tokens_truncated: int = 0

@@ -159,11 +159,11 @@ def test_constant_and_heuristic_schedules():
 
 
 def test_new_schedule_follows_the_config():
-    assert isinstance(new_schedule(DecodeConfig(gamma_schedule="constant")), ConstantSchedule)
+    assert isinstance(new_schedule(DecodeConfig()), ConstantSchedule)
     assert isinstance(new_schedule(DecodeConfig(gamma_schedule="heuristic")), HeuristicSchedule)
-    rapid = new_schedule(DecodeConfig(gamma=3, max_gamma=9))  # cost is the default
+    rapid = new_schedule(DecodeConfig(gamma_schedule="cost", gamma=3, max_gamma=9))
     assert isinstance(rapid, CostSchedule) and (rapid.gamma, rapid.max_gamma, rapid.k_min) == (3, 9, 0)
-    assert rapid.bonus_forward and not new_schedule(DecodeConfig(mode="sd")).bonus_forward
+    assert rapid.bonus_forward and not new_schedule(DecodeConfig(mode="sd", gamma_schedule="cost")).bonus_forward
 
 
 @pytest.mark.parametrize(("eta", "calibration"), [(0.0, 0), (2.0, 1)])
@@ -280,7 +280,7 @@ def test_stats_count_plain_rounds_and_mean_drafts():
     assert stats.verify_seconds == pytest.approx(0.4) and stats.accept_seconds == pytest.approx(0.04)
     assert stats.draft_seconds == pytest.approx(0.06)
     out = stats.to_dict()
-    assert out["plain_rounds"] == 2 and out["mean_drafts_per_round"] == 1.5 and out["gamma_schedule"] == "cost"
+    assert out["plain_rounds"] == 2 and out["mean_drafts_per_round"] == 1.5 and out["gamma_schedule"] == "constant"
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve", "demo", "bench", "eval"])

@@ -262,7 +262,7 @@ def test_the_embedder_loads_in_the_configured_dtype(tok, dtype, expected):
 
 
 def test_auto_embedding_dtype_follows_the_hardware(tok):
-    from rapidspec.models.devices import resolve_dtype
+    from rapidspec.runtime.devices import resolve_dtype
 
     r = Retriever(RetrievalConfig(method="dense"), tokenizer=tok)
     r.warm_up()

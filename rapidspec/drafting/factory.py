@@ -18,6 +18,7 @@ and a branch here, not in the engine.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,8 @@ from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.drafting.modes import MODE_TABLE
 from rapidspec.errors import RapidspecError
 from rapidspec.models.vocabulary import check_same_vocabulary, logit_width
+
+logger = logging.getLogger(__name__)
 
 
 def spare_cores() -> int:
@@ -131,8 +134,12 @@ class DrafterFactory:
             return False
         return self.prefill == "beside" or spare_cores() >= self.threads
 
-    def start_beside(self, prompts, config, stats, device: torch.device) -> Future:
-        """:meth:`start` on the factory's own thread; the future holds (drafter, seconds it took)."""
+    def start_beside(self, prompts, config, stats, device: torch.device) -> Future | None:
+        """:meth:`start` on the factory's own thread when :meth:`prefills_beside` (else None); the future holds
+        (drafter, seconds it took)."""
+        if not self.prefills_beside(config):
+            return None
+        stats.drafter_prefill_beside = True
         if self._beside is None:
             self._beside = ThreadPoolExecutor(1, thread_name_prefix="rapidspec-drafter-prefill")
 
@@ -143,7 +150,31 @@ class DrafterFactory:
 
         return self._beside.submit(run)
 
+    def started(self, beside: Future | None, prompts, config, stats, device: torch.device):
+        """The generation's drafter: from ``beside`` (:meth:`start_beside`) when given, else :meth:`start` now
+        (synchronised with its device, so the time around this call is the drafter's prefill)."""
+        if beside is not None:
+            drafter, stats.drafter_prefill_own_seconds = beside.result()
+            return drafter
+        drafter = self.start(prompts, config, stats, device)
+        if drafter is not None and drafter.cache is not None and drafter.device.type == "cuda":
+            torch.cuda.synchronize(drafter.device)
+        return drafter
+
     def clear(self) -> None:
         """Forget the caches the pools keep (the next drafter prefill starts from scratch)."""
         for pool in self._pools.values():
             pool.clear()
+
+
+def drop_started(beside: Future | None) -> None:
+    """Wait for a drafter started beside a prefill that failed or was stopped, and give its cache back."""
+    if beside is None:
+        return
+    try:
+        drafter, _ = beside.result()
+    except Exception:  # noqa: BLE001  (the prefill's own error is the one raised)
+        logger.debug("the drafter's prefill beside a stopped target prefill failed", exc_info=True)
+        return
+    if drafter is not None:
+        drafter.close(keep=True)  # its prefill finished: the cache is consistent

@@ -66,7 +66,7 @@ def load_embedder(name: str = BUILTIN_EMBEDDER, device: str | None = None, dtype
     except (OSError, ValueError, RuntimeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise RapidspecError(f"embedding model {name!r} not available offline: {first}") from err
-    from rapidspec.models.devices import resolve_dtype
+    from rapidspec.runtime.devices import resolve_dtype
 
     wanted = resolve_dtype(dtype, embedder.device)
     if wanted != next(embedder.parameters()).dtype:

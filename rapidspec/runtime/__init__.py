@@ -5,7 +5,9 @@ Contract: :func:`new_kv_cache` returns an empty cache satisfying
 ``prefill``, ``prefill_chunks``, ``crop``, ``reserve``, ``clone``, ``length``,
 ``token_ids``, ``device``, ``memory_bytes``) whichever forward the model runs,
 so the engine, the prefix cache and the benchmarks never ask which one it is.
-The package imports nothing from the rest of rapidspec; it raises its own
+The package imports nothing from the rest of rapidspec but
+:mod:`rapidspec.errors` (:mod:`~rapidspec.runtime.devices`: device and dtype
+resolution, which models and retrieval share); it raises its own
 ``ValueError`` subclasses (:mod:`~rapidspec.runtime.errors`) and reads the
 cache directory itself (:mod:`~rapidspec.runtime.cache_dir`).
 
