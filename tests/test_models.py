@@ -25,7 +25,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rapidspec.models import loading as models
-from rapidspec.runtime import devices
+from rapidspec.models import devices
 from rapidspec.errors import RapidspecError
 from rapidspec.models.loading import (
     LoadedModel,

@@ -262,11 +262,11 @@ def test_the_embedder_loads_in_the_configured_dtype(tok, dtype, expected):
 
 
 def test_auto_embedding_dtype_follows_the_hardware(tok):
-    from rapidspec.runtime.devices import resolve_dtype
+    from rapidspec.runtime.native_dtype import native_dtype
 
     r = Retriever(RetrievalConfig(method="dense"), tokenizer=tok)
     r.warm_up()
-    assert next(r.loaded_embedder.parameters()).dtype == resolve_dtype("auto", r.loaded_embedder.device)
+    assert next(r.loaded_embedder.parameters()).dtype == native_dtype(r.loaded_embedder.device)
 
 
 def test_embedding_dtype_is_validated():

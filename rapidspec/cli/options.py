@@ -10,7 +10,7 @@ from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
 from rapidspec.models.backend import DRAFTER_BACKENDS, DRAFTER_PREFILLS
 from rapidspec.errors import RapidspecError
 from rapidspec.models import RUNTIMES
-from rapidspec.runtime.devices import DTYPE_NAMES
+from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.retrieval import METHODS, RetrievalConfig
 from rapidspec.retrieval.config import EMBEDDING_DTYPES
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB

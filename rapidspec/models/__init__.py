@@ -9,7 +9,7 @@
 * :mod:`.builtin`: the table of built-in models; :mod:`.store` installs the
   larger ones from pinned part wheels (``rapidspec models``).
 * :mod:`.backend`: what runs the drafter (torch or llama.cpp), decided once.
-* :mod:`rapidspec.runtime.devices`: device and dtype resolution; :mod:`.vocabulary`: the
+* :mod:`rapidspec.models.devices`: device and dtype resolution; :mod:`.vocabulary`: the
   vocabulary checks between a target and a drafter, EOS ids, logit widths.
 """
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from rapidspec.models.builtin import BUILTIN_MODELS, DEFAULT_BUILTIN, BuiltinModel, PartWheels
-from rapidspec.runtime.devices import resolve_device, resolve_dtype
+from rapidspec.models.devices import resolve_device, resolve_dtype
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.cache_dir import cache_root
 from rapidspec.runtime.errors import QuantizationError

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from rapidspec.models.backend import DRAFTER_BACKENDS, DRAFTER_PREFILLS
 from rapidspec.errors import RapidspecError
-from rapidspec.runtime.devices import DTYPE_NAMES
+from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.models.loading import RUNTIMES
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
 from rapidspec.runtime.quantization import QUANTIZATIONS

@@ -66,9 +66,11 @@ def load_embedder(name: str = BUILTIN_EMBEDDER, device: str | None = None, dtype
     except (OSError, ValueError, RuntimeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise RapidspecError(f"embedding model {name!r} not available offline: {first}") from err
-    from rapidspec.runtime.devices import resolve_dtype
+    import torch
 
-    wanted = resolve_dtype(dtype, embedder.device)
+    from rapidspec.runtime.native_dtype import native_dtype
+
+    wanted = native_dtype(embedder.device) if dtype == "auto" else getattr(torch, dtype)
     if wanted != next(embedder.parameters()).dtype:
         logger.info("embedder in %s", wanted)
         embedder.to(wanted)

@@ -5,9 +5,7 @@ Contract: :func:`new_kv_cache` returns an empty cache satisfying
 ``prefill``, ``prefill_chunks``, ``crop``, ``reserve``, ``clone``, ``length``,
 ``token_ids``, ``device``, ``memory_bytes``) whichever forward the model runs,
 so the engine, the prefix cache and the benchmarks never ask which one it is.
-The package imports nothing from the rest of rapidspec but
-:mod:`rapidspec.errors` (:mod:`~rapidspec.runtime.devices`: device and dtype
-resolution, which models and retrieval share); it raises its own
+The package imports nothing from the rest of rapidspec; it raises its own
 ``ValueError`` subclasses (:mod:`~rapidspec.runtime.errors`) and reads the
 cache directory itself (:mod:`~rapidspec.runtime.cache_dir`).
 
@@ -22,6 +20,8 @@ Modules:
   is measured once per machine and kept in the cache directory.
 * :mod:`~rapidspec.runtime.packed` and :mod:`~rapidspec.runtime.quantization`:
   prepacked float linear layers and int8/int4 weight-only layers.
+* :mod:`~rapidspec.runtime.native_dtype`: the dtype a device computes in
+  natively (bfloat16 or float32), for models and the retrieval embedder.
 """
 
 from __future__ import annotations

@@ -6,12 +6,10 @@ where the CPU (AVX512-BF16 / AMX) or GPU computes it natively, else float32.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
 from rapidspec.errors import RapidspecError
+from rapidspec.runtime.native_dtype import cpu_supports_bf16, native_dtype
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -20,24 +18,6 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 #: The dtype names a user may give (``auto`` picks bfloat16 where it is native, else float32).
 DTYPE_NAMES: tuple[str, ...] = ("auto", *_DTYPES)
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    """CPU feature flags from /proc/cpuinfo (empty where unavailable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-def cpu_supports_bf16() -> bool:
-    """True when the CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX)."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -84,10 +64,7 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
     if name != "auto":
         raise RapidspecError(f"invalid dtype {dtype!r}: use one of auto, {', '.join(_DTYPES)}")
     device = device if device is not None else resolve_device("auto")
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if device.type == "cpu" and cpu_supports_bf16():
-        return torch.bfloat16
-    return torch.float32
+    if device.type == "cpu":  # cpu_supports_bf16 looked up in this module: tests replace it
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    return native_dtype(device)
 
