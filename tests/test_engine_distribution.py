@@ -22,6 +22,7 @@ from rapidspec.drafting.gamma_schedule import CostSchedule, StepCosts
 from rapidspec.models import LoadedModel
 from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
+from tests.test_engine import PlainSteps
 
 DOCUMENT = "\n\n".join(f"Line {i} of a short note about apples and pears." for i in range(30))
 QUESTION = "What fruit is named?"
@@ -139,16 +140,6 @@ HISTORY_DEPENDENT_COSTS = StepCosts(draft_step=0.5, verify_base=1.0, verify_per_
 # Drafts so cheap that every k >= 1 beats a plain step (E(1) / C(1) >= 1.25 / 1.0625 > 1) while the
 # best k still grows with a_1: with eta > 0 no round is plain, so every token follows p^.
 CHEAP_DRAFT_COSTS = StepCosts(draft_step=0.05, verify_base=1.0, verify_per_token=0.0)
-
-
-class PlainSteps:
-    """A gamma schedule asking for a plain step every round."""
-
-    def next_drafts(self) -> int:
-        return 0
-
-    def record(self, round_) -> None:
-        pass
 
 
 @pytest.mark.parametrize(("mode", "eta"), [("ragsd", 0.0), ("rapid", 3.0)])
