@@ -305,6 +305,17 @@ def test_gguf_cache_key_changes_with_the_file(fake_gguf):
     assert gguf_cache_dir(path) != key
 
 
+def test_gguf_cache_key_ignores_the_modification_time(fake_gguf):
+    path, _ = fake_gguf  # a reinstalled package: same bytes, new mtime -> the same conversion
+    key = gguf_cache_dir(path)
+    os.utime(path, ns=(1, 1))
+    assert gguf_cache_dir(path) == key
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # same size, different last byte
+    path.write_bytes(bytes(data))
+    assert gguf_cache_dir(path) != key
+
+
 def test_interrupted_conversion_leaves_no_cache(fake_gguf, monkeypatch):
     path, calls = fake_gguf
     import safetensors.torch

@@ -71,6 +71,8 @@ __all__ = [
 
 # Bumped when the layout of a cached conversion changes, invalidating old ones.
 _CACHE_FORMAT = 1
+#: Bytes read from each end of a GGUF file for its conversion's cache key.
+_KEY_SAMPLE_BYTES = 1 << 20
 
 #: Accepted values of ``runtime``: the lean forward where the architecture has one
 #: (``auto``), always (``lean``, an error where it has none), or never.
@@ -162,17 +164,25 @@ def builtin_gguf_path(name: str = "builtin") -> Path:
 def gguf_cache_dir(gguf_path: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Cache directory of the de-quantized conversion of ``gguf_path`` to ``dtype``.
 
-    The key hashes the file's name, size and mtime, the dtype the weights
-    are stored in (a model used in bfloat16 is cached in bfloat16: half the
-    disk and memory of float32) plus the transformers version (a new
-    converter may produce different weights).
+    The key hashes the file's content (its size and its first and last
+    :data:`_KEY_SAMPLE_BYTES`: a GGUF's header names its tensors and their
+    types, its tail holds the last weights), the dtype the weights are stored
+    in (a model used in bfloat16 is cached in bfloat16: half the disk and
+    memory of float32) plus the transformers version (a new converter may
+    produce different weights). Not the file's modification time: a
+    reinstalled package with the same weights reuses its conversion instead of
+    leaving the old one behind.
     """
     import transformers
 
-    stat = gguf_path.stat()
-    stored = "" if dtype == torch.float32 else f"|{dtype}"  # float32 keeps the key it always had
-    key_text = (f"{_CACHE_FORMAT}|{gguf_path.name}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-                f"{stored}")
+    size = gguf_path.stat().st_size
+    content = hashlib.sha256(str(size).encode())
+    with gguf_path.open("rb") as handle:
+        content.update(handle.read(_KEY_SAMPLE_BYTES))
+        handle.seek(max(0, size - _KEY_SAMPLE_BYTES))
+        content.update(handle.read(_KEY_SAMPLE_BYTES))
+    stored = "" if dtype == torch.float32 else f"|{dtype}"
+    key_text = f"{_CACHE_FORMAT}|{gguf_path.name}|{content.hexdigest()}|{transformers.__version__}{stored}"
     digest = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
 
