@@ -245,8 +245,9 @@ def test_cost_schedule_with_dear_drafts_takes_plain_steps(tiny_model, lc_output)
     """k = 0 is chosen after the first round; probes of PROBE_DRAFTS every PROBE_EVERY rounds; caches stay exact.
 
     Self-drafting in ``sd`` accepts everything: round 1 drafts 4 (5 tokens),
-    then 7 plain rounds and a probe of 2 (3 tokens), three times (30 tokens),
-    then 5 plain rounds: 40 tokens in 30 rounds, 26 of them plain.
+    then 7 plain rounds and a probe of 2 (15 tokens), 15 plain rounds and a
+    probe (the wait doubled: 33 tokens), then 7 plain rounds: 40 tokens in 32
+    rounds, 29 of them plain.
     """
     assert (PROBE_EVERY, PROBE_DRAFTS) == (8, 2) and len(lc_output.token_ids) == 40
     checked = []
@@ -263,12 +264,12 @@ def test_cost_schedule_with_dear_drafts_takes_plain_steps(tiny_model, lc_output)
     out = decode_with(engine(tiny_model), config, CostSchedule(4, 16, 0.0, fixed_costs=DEAR_DRAFTS), observer)
     assert out.token_ids == lc_output.token_ids
     stats = out.stats
-    assert (stats.rounds, stats.plain_rounds, stats.drafted_tokens, stats.accepted_tokens) == (30, 26, 10, 10)
-    assert stats.drafted_per_position == [4, 4, 1, 1]
-    assert stats.mean_drafts_per_round == pytest.approx(10 / 30)
-    assert stats.to_dict()["plain_rounds"] == 26 and stats.to_dict()["mean_drafts_per_round"] == pytest.approx(1 / 3)
-    # the drafter feeds at the probe: 2 tokens pending after a fully accepted round, + 7 plain rounds' tokens
-    assert max(checked) == 2 + PROBE_EVERY - 1
+    assert (stats.rounds, stats.plain_rounds, stats.drafted_tokens, stats.accepted_tokens) == (32, 29, 8, 8)
+    assert stats.drafted_per_position == [3, 3, 1, 1]
+    assert stats.mean_drafts_per_round == pytest.approx(8 / 32)
+    assert stats.to_dict()["plain_rounds"] == 29 and stats.to_dict()["mean_drafts_per_round"] == pytest.approx(1 / 4)
+    # the drafter feeds at the second probe: 2 tokens pending after a fully accepted round, + 15 plain rounds' tokens
+    assert max(checked) == 2 + 2 * PROBE_EVERY - 1
 
 
 @pytest.mark.parametrize("drafter_kind", ["self", "random"])

@@ -12,6 +12,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.drafting.gamma_schedule import (
     ACCEPTANCE_DECAY,
     EXTRAPOLATE_TOKENS,
+    MAX_PROBE_EVERY,
     PROBE_DRAFTS,
     PROBE_EVERY,
     ConstantSchedule,
@@ -215,16 +216,29 @@ def test_cost_schedule_uses_running_medians():
 
 
 def test_cost_schedule_probes_while_taking_plain_steps():
-    """With k = 0 chosen, every PROBE_EVERY-th round drafts PROBE_DRAFTS so acceptance can be seen again."""
-    assert (PROBE_EVERY, PROBE_DRAFTS) == (8, 2)
+    """With k = 0 chosen, probes of PROBE_DRAFTS come after 7, then 15, 31 and at most 63 plain rounds."""
+    assert (PROBE_EVERY, MAX_PROBE_EVERY, PROBE_DRAFTS) == (8, 64, 2)
     dear = StepCosts(draft_step=1.0, verify_base=0.1, verify_per_token=0.0)
     schedule = CostSchedule(4, 16, 0.0, fixed_costs=dear)
     chosen = []
-    for _ in range(1 + 2 * PROBE_EVERY):
+    for _ in range(1 + 8 + 16 + 32 + 64 + 64):
         k = schedule.next_drafts()
         chosen.append(k)
         schedule.record(round_record(k, 0))
-    assert chosen == [4] + ([0] * 7 + [2]) * 2
+    assert chosen == [4] + [0] * 7 + [2] + [0] * 15 + [2] + [0] * 31 + [2] + ([0] * 63 + [2]) * 2
+
+
+def test_cost_schedule_probe_interval_resets_when_drafting_pays_again():
+    """Rejected probes double the wait; a kept probe that makes drafting pay resets it to PROBE_EVERY."""
+    cheap = StepCosts(draft_step=0.03, verify_base=0.1, verify_per_token=0.0)  # k = 1 pays iff a_1 > 0.3
+    schedule = CostSchedule(4, 16, 0.0, fixed_costs=cheap)
+    chosen = []
+    for index in range(70):
+        k = schedule.next_drafts()
+        chosen.append(k)
+        schedule.record(round_record(k, k if index >= 30 else 0))  # drafts are kept from round 30 on
+    assert chosen[:57] == [4] + [0] * 7 + [2] + [0] * 15 + [2] + [0] * 31 + [2]
+    assert min(chosen[57:]) >= 1 and schedule.probe_every == PROBE_EVERY
 
 
 def test_cost_schedule_comes_back_when_acceptance_recovers():
@@ -247,11 +261,11 @@ def test_cost_schedule_takes_plain_rounds_when_drafting_is_dear_at_any_eta(eta):
     dear = StepCosts(draft_step=1.0, verify_base=0.1, verify_per_token=0.0)
     schedule = CostSchedule(3, 16, eta, fixed_costs=dear)
     chosen = []
-    for _ in range(17):
+    for _ in range(1 + 8 + 16):
         k = schedule.next_drafts()
         chosen.append(k)
         schedule.record(round_record(k, 0, forwards=k))
-    assert chosen == [3] + ([0] * (PROBE_EVERY - 1) + [PROBE_DRAFTS]) * 2
+    assert chosen == [3] + [0] * 7 + [PROBE_DRAFTS] + [0] * 15 + [PROBE_DRAFTS]
 
 
 def test_cost_schedule_with_eta_calibrates_with_drafts():

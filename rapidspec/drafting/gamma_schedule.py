@@ -58,9 +58,14 @@ ACCEPTANCE_DECAY = 0.9
 VERIFY_WINDOW = 8
 DRAFT_WINDOW = 16
 # After PROBE_EVERY - 1 plain rounds in a row the next round drafts PROBE_DRAFTS
-# tokens, so the acceptance estimates can recover (worst case: one round in
-# PROBE_EVERY spends PROBE_DRAFTS drafter steps for nothing).
+# tokens, so the acceptance estimates can recover. A probe after which the costs
+# still choose a plain step doubles the interval (up to MAX_PROBE_EVERY); a
+# round the costs choose to draft resets it. Worst case: the probes' drafter
+# steps (and the drafter's catch-up on the plain rounds' tokens) for nothing,
+# once in 8, 16, 32, then every 64 rounds (on a 7K-token document a probe
+# every 8 rounds cost about 10% of lc's speed).
 PROBE_EVERY = 8
+MAX_PROBE_EVERY = 64
 PROBE_DRAFTS = 2
 # Measured costs plan rounds verifying at most this many tokens more than the largest
 # round measured so far: the straight line v(n) is only trusted near its data (on the
@@ -262,6 +267,8 @@ class CostSchedule:
         self.verify_samples: dict[int, deque[float]] = {}  # n verified -> recent seconds
         self.rounds = 0
         self.plain_streak = 0  # plain rounds in a row just done
+        self.probe_every = PROBE_EVERY  # the interval now (see MAX_PROBE_EVERY)
+        self.probed = False  # whether the last round was a probe
 
     def acceptance(self) -> list[float]:
         return acceptance_estimates(self.accepted_weight, self.observed_weight)
@@ -279,7 +286,8 @@ class CostSchedule:
     def next_drafts(self) -> int:
         if self.rounds == 0:
             return self.gamma
-        if self.plain_streak >= PROBE_EVERY - 1:
+        if self.plain_streak >= self.probe_every - 1:
+            self.probed = True
             return min(PROBE_DRAFTS, self.max_gamma)
         costs = self.costs()
         if costs is None:
@@ -290,7 +298,13 @@ class CostSchedule:
         k_max = self.max_gamma
         if self.fixed_costs is None:  # round k verifies k + 1 tokens
             k_max = max(self.k_min, min(k_max, max(self.verify_samples) - 1 + EXTRAPOLATE_TOKENS))
-        return best_drafts(self.acceptance(), costs, self.k_min, k_max, self.bonus_forward)
+        k = best_drafts(self.acceptance(), costs, self.k_min, k_max, self.bonus_forward)
+        if k > 0:
+            self.probe_every = PROBE_EVERY
+        elif self.probed:
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+        self.probed = False
+        return k
 
     def record(self, round_: RoundRecord) -> None:
         self.rounds += 1
