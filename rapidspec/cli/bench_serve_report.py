@@ -76,3 +76,27 @@ def latency_table(s: dict) -> Table:
     for key, label in LATENCIES:
         table.add_row(label, *(_fmt(s[f"{stat}_{key}_ms"]) for stat in STATS))
     return table
+
+
+def comparison_table(servers: dict[str, dict]) -> Table:
+    """One column per server (name -> summary): outcomes, throughputs and latency medians and p99."""
+    first = next(iter(servers.values()))
+    concurrency = first["max_concurrency"] or "no limit"
+    table = Table(title=(f"bench serve, same load on each server: {first['num_prompts']} prompts ({first['dataset']}), "
+                         f"rate {first['request_rate']}/s, concurrency {concurrency}, max_tokens {first['max_tokens']}"))
+    table.add_column("")
+    for name in servers:
+        table.add_column(name, justify="right")
+    rows = [("completed", lambda s: str(s["completed"])), ("lost", lambda s: str(s["lost"])),
+            ("errors (incl. rejected)", lambda s: str(s["errors"] + s["rejected"])),
+            ("duration (s)", lambda s: _fmt(s["duration"])),
+            ("output tokens", lambda s: str(s["total_output_tokens"])),
+            ("input tokens (of them cached)", lambda s: f"{s['total_input_tokens']} ({s['cached_input_tokens']})"),
+            ("output token throughput (tok/s)", lambda s: _fmt(s["output_throughput"])),
+            ("request throughput (req/s)", lambda s: _fmt(s["request_throughput"], ".3f"))]
+    for key, label in LATENCIES:
+        for stat in ("median", "p99"):
+            rows.append((f"{label.split(' (')[0]} {stat} (ms)", lambda s, k=f"{stat}_{key}_ms": _fmt(s[k])))
+    for name, value in rows:
+        table.add_row(name, *(value(s) for s in servers.values()))
+    return table

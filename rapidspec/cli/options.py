@@ -54,8 +54,9 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
     group.add_argument("--eta", type=float, default=None, help="retrieval-augmented target strength (rapid only; default: by how the drafter relates to the target, 1 for self-speculation)")
     group.add_argument("--gamma", type=int, default=_DEFAULT_DECODE.gamma, help="drafted tokens per round (default: %(default)s)")
     group.add_argument("--gamma-schedule", default=_DEFAULT_DECODE.gamma_schedule, choices=GAMMA_SCHEDULES,
-                       help="constant; heuristic (adapt gamma to acceptance); cost (choose each round's drafts, 0 = a plain "
-                            "step, from measured step costs and acceptance) (default: %(default)s)")
+                       help="auto (cost, or constant when --seed is given); constant; heuristic (adapt gamma to "
+                            "acceptance); cost (choose each round's drafts, 0 = a plain step, from measured step costs "
+                            "and acceptance) (default: %(default)s)")
     group.add_argument("--max-gamma", type=int, default=_DEFAULT_DECODE.max_gamma, help="largest gamma of the heuristic and cost schedules")
     group.add_argument("--draft-confidence", type=float, default=_DEFAULT_DECODE.draft_confidence,
                        help="stop a round's drafting after a draft the drafter gave a probability below this; 0 = off (default: %(default)s)")

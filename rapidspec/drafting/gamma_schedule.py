@@ -1,5 +1,7 @@
 """How many tokens to draft each round: the schedules of ``DecodeConfig.gamma_schedule``.
 
+``auto`` (the default) is ``cost``, or ``constant`` when the request has a seed.
+
 * ``constant``: always ``gamma``.
 * ``heuristic``: transformers' assisted-generation rule: +2 after a round that
   kept every draft, -1 otherwise, within [1, ``max_gamma``].
@@ -324,9 +326,10 @@ class CostSchedule:
 
 
 def new_schedule(config) -> GammaSchedule:
-    """The schedule ``config.gamma_schedule`` names (``config``: a :class:`~rapidspec.config.DecodeConfig`)."""
-    if config.gamma_schedule == "heuristic":
+    """The schedule ``config.resolved_gamma_schedule`` names (``config``: a :class:`~rapidspec.config.DecodeConfig`)."""
+    name = config.resolved_gamma_schedule
+    if name == "heuristic":
         return HeuristicSchedule(config.gamma, config.max_gamma)
-    if config.gamma_schedule == "cost":
+    if name == "cost":
         return CostSchedule(config.gamma, config.max_gamma, config.effective_eta)
     return ConstantSchedule(config.gamma)

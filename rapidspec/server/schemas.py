@@ -144,7 +144,7 @@ class GenerationRequest(RequestBody):
     mode: Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"] | None = None
     eta: float | None = Field(default=None, ge=0, le=MAX_ETA)
     gamma: int | None = Field(default=None, ge=1)
-    gamma_schedule: Literal["constant", "heuristic", "cost"] | None = None
+    gamma_schedule: Literal["auto", "constant", "heuristic", "cost"] | None = None
     max_gamma: int | None = Field(default=None, ge=1)
     draft_confidence: float | None = Field(default=None, ge=0, lt=1)
     top_k: int | None = Field(default=None, ge=0)

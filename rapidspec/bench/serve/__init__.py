@@ -5,7 +5,11 @@
 * :mod:`.client`: one request, streamed, timed token by token;
 * :mod:`.load`: the load (request rate, concurrency, sessions, disconnects);
 * :mod:`.stats`: TTFT, TPOT, ITL and end-to-end percentiles, throughput;
-* :mod:`.process`: a ``rapidspec serve`` process started for the run.
+* :mod:`.process`: a ``rapidspec serve`` process started for the run;
+* :mod:`.peer`: the same load on llama.cpp's ``llama-server`` (``--peer``).
 
 HTTP only: importing this package loads neither torch nor FastAPI (a test checks).
 """
+
+#: Servers ``--peer`` can start and load after rapidspec's run.
+PEERS = ("llama.cpp",)

@@ -48,6 +48,14 @@ class BenchRequest:
         if not self.messages:
             raise RapidspecError("a request needs at least one message")
 
+    def inlined_messages(self) -> list[dict]:
+        """The conversation with the documents placed in it as rapidspec's target reads them (for a peer server)."""
+        if not self.documents:
+            return list(self.messages)
+        from rapidspec.conversation import parse_messages, with_documents
+
+        return [m.to_dict() for m in with_documents(parse_messages(list(self.messages)), self.documents)]
+
 
 def builtin_requests(document_tokens: int | None = None) -> list[BenchRequest]:
     """One request per built-in question, all about the same demo document (about ``document_tokens`` tokens)."""

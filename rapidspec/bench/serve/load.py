@@ -66,6 +66,7 @@ class LoadConfig:
     timeout_s: float = 900.0
     test_request: bool = True
     sessions: bool = False  # request i carries x-session-id conversation-(i mod dataset size)
+    inline_documents: bool = False  # documents placed in the messages (a peer server), not sent as `documents`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "base_url", normalize_base_url(self.base_url))
@@ -96,11 +97,11 @@ class LoadConfig:
     def body(self, request: BenchRequest, index: int = 0) -> dict:
         """The ``/v1/chat/completions`` body of ``request``, the ``index``-th of the load."""
         lengths = self.answer_lengths
-        body: dict = {"messages": list(request.messages), "max_tokens": lengths[index % len(lengths)],
-                      "stream": self.stream}
+        messages = request.inlined_messages() if self.inline_documents else list(request.messages)
+        body: dict = {"messages": messages, "max_tokens": lengths[index % len(lengths)], "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
-        if request.documents:
+        if request.documents and not self.inline_documents:
             body["documents"] = list(request.documents)
         if self.ignore_eos:
             body["ignore_eos"] = True
@@ -114,7 +115,8 @@ class LoadConfig:
                 "request_rate": "inf" if math.isinf(self.request_rate) else self.request_rate, "seed": self.seed,
                 "max_tokens": list(self.max_tokens) if isinstance(self.max_tokens, tuple) else self.max_tokens,
                 "stream": self.stream, "ignore_eos": self.ignore_eos,
-                "model": self.model, "extra_body": self.extra_body, "sessions": self.sessions}
+                "model": self.model, "extra_body": self.extra_body, "sessions": self.sessions,
+                "inline_documents": self.inline_documents}
 
 
 def arrival_times(count: int, rate: float, seed: int) -> list[float]:

@@ -1,4 +1,4 @@
-"""``rapidspec serve`` in a subprocess on 127.0.0.1, for ``rapidspec bench serve`` without ``--base-url``.
+"""``rapidspec serve`` (or a peer server) in a subprocess on 127.0.0.1, for ``rapidspec bench serve``.
 
 :class:`LocalServer` starts the server on a free port with the given options,
 its output in a log file, waits (bounded) until ``/health`` answers, and on
@@ -58,6 +58,8 @@ class LaunchConfig:
 class LocalServer:
     """A context manager: ``url`` once started, ``exit_code`` after the ``with`` block."""
 
+    name = "rapidspec serve"
+
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
         self.url: str | None = None
@@ -70,7 +72,7 @@ class LocalServer:
 
     def __enter__(self) -> LocalServer:
         port = free_port()
-        with tempfile.NamedTemporaryFile("wb", prefix="rapidspec_bench_serve_", suffix=".log", delete=False) as log:
+        with tempfile.NamedTemporaryFile("wb", prefix=f"rapidspec_bench_serve_{self.name.split()[0]}_", suffix=".log", delete=False) as log:
             self.log_path = log.name
             logger.info("starting %s (log: %s)", " ".join(self.command(port)), log.name)
             env = os.environ | ({"RAPIDSPEC_API_KEY": self.config.api_key} if self.config.api_key else {})
@@ -96,10 +98,10 @@ class LocalServer:
             except httpx.HTTPError:
                 pass
             if (code := self._process.poll()) is not None:
-                raise RapidspecError(f"rapidspec serve exited with code {code} before it was ready: "
+                raise RapidspecError(f"{self.name} exited with code {code} before it was ready: "
                                      f"{self.last_log_line()} (log: {self.log_path})")
             if time.monotonic() > deadline:
-                raise RapidspecError(f"rapidspec serve was not ready within {self.config.start_timeout_s:g} s "
+                raise RapidspecError(f"{self.name} was not ready within {self.config.start_timeout_s:g} s "
                                      f"(log: {self.log_path})")
             time.sleep(0.5)
 
@@ -113,7 +115,7 @@ class LocalServer:
         try:
             self.exit_code = process.wait(timeout=self.config.stop_timeout_s)
         except subprocess.TimeoutExpired:
-            logger.warning("rapidspec serve did not stop within %g s of SIGTERM; killing it", self.config.stop_timeout_s)
+            logger.warning("%s did not stop within %g s of SIGTERM; killing it", self.name, self.config.stop_timeout_s)
             process.kill()
             self.exit_code = process.wait()
         return self.exit_code

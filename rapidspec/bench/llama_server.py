@@ -1,0 +1,166 @@
+"""llama.cpp's own C++ server, ``llama-server``, built from the sources the pinned llama-cpp-python ships.
+
+The peer of ``rapidspec bench serve --peer llama.cpp``: what a CPU user would
+run instead of rapidspec (parallel slots, continuous batching, prompt cache).
+llama-cpp-python's source distribution vendors llama.cpp
+(``vendor/llama.cpp``, with ``tools/server``); :func:`build_llama_server`
+fetches that sdist of the installed version from the package index with pip
+(no other download: the web UI is neither built nor fetched), configures it
+with CMake for this CPU (``GGML_NATIVE``) and builds the one target
+``llama-server`` (about 6 minutes on 2 cores). The binary is cached under
+``$RAPIDSPEC_CACHE/llama-server/<version>-<cpu>`` (the CPU's flags: a native
+build may not run on another CPU). ``$RAPIDSPEC_LLAMA_SERVER`` names a binary
+of your own instead. ``python -m rapidspec.bench.llama_server`` builds it
+(the set-up runs it on CPU machines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from rapidspec.errors import RapidspecError
+from rapidspec.runtime.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+ENV_BINARY = "RAPIDSPEC_LLAMA_SERVER"
+PACKAGE = "llama-cpp-python"
+#: CMake options: a native CPU build of the server alone, no web UI (built with npm or downloaded otherwise),
+#: no HTTPS (the peer listens on 127.0.0.1), static libraries (one self-contained binary).
+CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+                 "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF")
+
+
+def installed_version() -> str:
+    """The installed llama-cpp-python's version (RapidspecError when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:
+        raise RapidspecError(f"{PACKAGE} is not installed: run `make install` (it builds it), "
+                             f"or set ${ENV_BINARY} to a llama-server binary") from None
+
+
+def cpu_key() -> str:
+    """A short hash of this CPU's model and instruction-set flags (a native build runs only where they hold)."""
+    text = platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        wanted = ("model name", "flags", "Features")
+        text += "|".join(sorted({line for line in info.splitlines() if line.split(":")[0].strip() in wanted}))
+    except OSError:
+        text += platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def cached_binary_path(version: str | None = None) -> Path:
+    return cache_root() / "llama-server" / f"{version or installed_version()}-{cpu_key()}" / "llama-server"
+
+
+def find_llama_server() -> Path | None:
+    """``$RAPIDSPEC_LLAMA_SERVER``, else the cached build for the installed version and this CPU, else None."""
+    given = os.environ.get(ENV_BINARY)
+    if given:
+        path = Path(given).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise RapidspecError(f"${ENV_BINARY} is {given!r}, which is not an executable file")
+        return path
+    path = cached_binary_path()
+    return path if path.is_file() else None
+
+
+def build_llama_server(progress: Callable[[str], None] = logger.info, jobs: int | None = None) -> Path:
+    """Build ``llama-server`` for this CPU from the installed llama-cpp-python's sdist; the cached binary's path.
+
+    ``progress`` gets one line per stage. Every failure is a RapidspecError
+    naming the stage and the end of its output.
+    """
+    version = installed_version()
+    target = cached_binary_path(version)
+    if target.is_file():
+        return target
+    for tool in ("cmake",):
+        if shutil.which(tool) is None:
+            raise RapidspecError(f"building llama-server needs {tool} on PATH (Debian: apt install {tool})")
+    jobs = jobs or os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="rapidspec-llama-server-") as work:
+        work_dir = Path(work)
+        progress(f"llama-server: fetching the {PACKAGE}=={version} source distribution with pip")
+        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+              f"{PACKAGE}=={version}", "-d", str(work_dir)], "pip download")
+        archives = sorted(work_dir.glob("*.tar.gz"))
+        if not archives:
+            raise RapidspecError(f"pip download gave no source archive of {PACKAGE}=={version}")
+        source = _extract_vendored(archives[0], work_dir / "src")
+        build = work_dir / "build"
+        progress(f"llama-server: configuring llama.cpp for this CPU (cmake, {source.name})")
+        _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS], "cmake configure")
+        progress(f"llama-server: compiling with {jobs} jobs (about 6 minutes on 2 cores)")
+        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], "cmake build")
+        built = next((p for p in build.rglob("llama-server") if p.is_file() and os.access(p, os.X_OK)), None)
+        if built is None:
+            raise RapidspecError(f"the build finished without a llama-server binary (in {build})")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}")
+        shutil.copy2(built, partial)
+        os.replace(partial, target)  # atomic: another process sees no binary or the whole one
+    progress(f"llama-server: built {target}")
+    return target
+
+
+def llama_server_binary(build: bool = True, progress: Callable[[str], None] = logger.info) -> Path:
+    """The binary to run: :func:`find_llama_server`'s, else (``build``) a new build, else RapidspecError."""
+    found = find_llama_server()
+    if found is not None:
+        return found
+    if not build:
+        raise RapidspecError(f"llama-server is not built: run `python -m rapidspec.bench.llama_server` "
+                             f"(about 6 minutes on 2 cores) or set ${ENV_BINARY}")
+    return build_llama_server(progress)
+
+
+def _extract_vendored(archive: Path, into: Path) -> Path:
+    """Extract the archive's ``vendor/llama.cpp`` only; its folder."""
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in f"{m.name}/"]
+        if not members:
+            raise RapidspecError(f"{archive.name} holds no vendor/llama.cpp")
+        tar.extractall(into, members=members, filter="data")
+    found = next(iter(sorted(into.glob("*/vendor/llama.cpp"))), None)
+    if found is None or not (found / "tools" / "server").is_dir():
+        raise RapidspecError(f"{archive.name}: vendor/llama.cpp has no tools/server")
+    return found
+
+
+def _run(command: list[str], stage: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, errors="replace")
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
+        raise RapidspecError(f"llama-server build, {stage} failed (exit code {done.returncode}):\n{tail}")
+
+
+def main() -> int:
+    try:
+        path = llama_server_binary(progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except RapidspecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
