@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     out.print(f"[bold]Question[/bold]: {item.question}   [dim](expected: {item.answer})[/dim]")
     out.print(Columns([
         Panel(outputs["lc"].text.strip() or "(empty)", title="lc: target reads everything", width=60),
-        Panel(outputs["rapid"].text.strip() or "(empty)", title=f"rapid: eta={rapid.eta:g}, gamma={rapid.gamma}", width=60),
+        Panel(outputs["rapid"].text.strip() or "(empty)", title=f"rapid: eta={rapid.eta:g}, gamma={rapid.gamma} ({rapid.gamma_schedule})",
+              width=60),
     ]))
     out.print(stats_table([("lc", lc), ("rapid", rapid)]))
     out.print(f"[dim]drafter: {rapid.drafter}; rapid's target prefill came from lc's (prefix cache), so both "
