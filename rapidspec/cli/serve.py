@@ -38,6 +38,9 @@ def register(subparsers) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=4,
                         help="requests the engine advances in turn, a round each, so a short answer is not held behind a "
                              "long one; fewer when their windows do not fit the free memory (default: %(default)s)")
+    parser.add_argument("--batch-steps", action=argparse.BooleanOptionalAction, default=True,
+                        help="advance the running requests together, their target (and torch drafter) forwards on the "
+                             "lean runtime batched into one forward per step; --no-batch-steps: in turn (default: on)")
     parser.add_argument("--max-queue", type=int, default=16, help="requests that may wait beyond those; more get 429 (default: %(default)s)")
     parser.add_argument("--recent-messages", type=int, default=DEFAULT_RECENT_MESSAGES,
                         help="earlier chat messages the drafter always reads verbatim (default: %(default)s)")
@@ -102,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         recent_messages=args.recent_messages,
         max_queue=args.max_queue,
         max_num_seqs=args.max_num_seqs,
+        batch_steps=args.batch_steps,
         api_key=args.api_key if args.api_key is not None else os.environ.get("RAPIDSPEC_API_KEY"),  # "" is refused
         max_request_bytes=args.max_request_bytes,
         max_document_tokens=args.max_document_tokens,

@@ -22,7 +22,9 @@ fp32 greedy tokens equal).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -230,22 +232,50 @@ class LeanModel:
         num_logits: int,
     ) -> torch.Tensor:
         """Write the new tokens' keys/values at ``start`` and return logits [num_logits, V] (model dtype)."""
-        q_len = token_ids.shape[0]
-        end = start + q_len
-        cos, sin = self.rope_tables(start, q_len)  # [T, d]
-        x = self.embed(token_ids)  # [T, D]
+        return self.forward_rows([Row(token_ids, keys, values, start, num_logits)])[0]
+
+    def forward_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        """One forward for several sequences, each with its own cache, start and number of new tokens.
+
+        The linear layers run once over all rows' new tokens [sum T, D] (the
+        weights are read once for every row: batching); attention runs per
+        row over that row's own keys and values. Returns each row's logits
+        [num_logits, V] (model dtype), in order.
+        """
+        lengths = [row.token_ids.shape[0] for row in rows]
+        tables = [self.rope_tables(row.start, n) for row, n in zip(rows, lengths)]  # [T_r, d] each
+        x = self.embed(torch.cat([row.token_ids for row in rows]) if len(rows) > 1 else rows[0].token_ids)  # [sum T, D]
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.eps)
-            query, key, value = layer.project_qkv(h)
-            query = query.reshape(q_len, self.heads, self.head_dim).transpose(0, 1)  # [H, T, d]
-            key = key.reshape(q_len, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
-            value = value.reshape(q_len, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
-            keys[index, :, start:end] = apply_rope(key, cos, sin)
-            values[index, :, start:end] = value
-            attended = causal_attention(
-                apply_rope(query, cos, sin)[None], keys[None, index, :, :end], values[None, index, :, :end], self.scaling
-            )[0]  # [H, T, d]
-            x = x + layer.o_proj(attended.transpose(0, 1).reshape(q_len, -1))
+            queries, keys, values = (part.split(lengths) for part in layer.project_qkv(h))
+            attended = []
+            for row, n, (cos, sin), query, key, value in zip(rows, lengths, tables, queries, keys, values):
+                end = row.start + n
+                query = query.reshape(n, self.heads, self.head_dim).transpose(0, 1)  # [H, T, d]
+                key = key.reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
+                value = value.reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
+                row.keys[index, :, row.start : end] = apply_rope(key, cos, sin)
+                row.values[index, :, row.start : end] = value
+                out = causal_attention(
+                    apply_rope(query, cos, sin)[None], row.keys[None, index, :, :end], row.values[None, index, :, :end],
+                    self.scaling,
+                )[0]  # [H, T, d]
+                attended.append(out.transpose(0, 1).reshape(n, -1))
+            x = x + layer.o_proj(torch.cat(attended) if len(rows) > 1 else attended[0])
             h = rms_norm(x, layer.post_norm, self.eps)
             x = x + layer.mlp(h)
-        return self.lm_head(rms_norm(x[-num_logits:], self.final_norm, self.eps))  # [num_logits, V]
+        ends = list(accumulate(lengths))
+        last = [x[end - row.num_logits : end] for row, end in zip(rows, ends)]  # [num_logits_r, D] each
+        logits = self.lm_head(rms_norm(torch.cat(last) if len(rows) > 1 else last[0], self.final_norm, self.eps))
+        return list(logits.split([row.num_logits for row in rows]))  # [num_logits_r, V] each
+
+
+@dataclass(frozen=True, eq=False)
+class Row:
+    """One sequence of :meth:`LeanModel.forward_rows`: new tokens, its cache buffers and where they go."""
+
+    token_ids: torch.Tensor  # [T] long
+    keys: torch.Tensor  # [layers, kv_heads, capacity, d]; positions < start hold the past
+    values: torch.Tensor  # [layers, kv_heads, capacity, d]
+    start: int
+    num_logits: int

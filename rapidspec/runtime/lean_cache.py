@@ -6,7 +6,9 @@ like :class:`~rapidspec.runtime.cache.KVCache` (``forward``, ``prefill``,
 and is its owner's only writer. Keys and values of all layers live in two
 buffers [layers, kv_heads, capacity, head_dim]; a forward writes the new
 positions in place and attends over the first ``length`` positions of each
-head, whose [length, head_dim] blocks are contiguous. Rollback only shortens
+head, whose [length, head_dim] blocks are contiguous. Inside a server step
+batched with others (:mod:`rapidspec.runtime.batching`) the forward is one
+row of a batched one. Rollback only shortens
 ``length``: the next forward overwrites what was cropped. The engine reserves
 a generation's whole length (prompt, answer, one round of drafts) before its
 prefill, so the buffers are allocated once; a forward past the capacity
@@ -24,7 +26,8 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 
 from rapidspec.runtime.cache import ROOM_GROWTH, ROOM_QUANTUM, HeldTokens
-from rapidspec.runtime.lean import LeanModel
+from rapidspec.runtime.batching import current_batcher
+from rapidspec.runtime.lean import LeanModel, Row
 
 
 class LeanKVCache(HeldTokens):
@@ -70,7 +73,9 @@ class LeanKVCache(HeldTokens):
         start = self.length
         self.reserve(start + len(token_ids))
         input_ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)  # [T]
-        logits = self.lean.forward(input_ids, self._keys, self._values, start, num_logits)
+        row = Row(input_ids, self._keys, self._values, start, num_logits)
+        batcher = current_batcher()  # a server step batched with others (rapidspec.runtime.batching)
+        logits = self.lean.forward_rows([row])[0] if batcher is None else batcher.forward(self.lean, row)
         self._token_ids.extend(int(t) for t in token_ids)
         return logits.float()  # [num_logits, V]
 

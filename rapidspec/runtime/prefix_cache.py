@@ -21,13 +21,14 @@ Example (``min_reused_tokens=2``)::
     store([1, 2, 3, 4, 5])          entries: [1 2 3 9 9 7], [1 2 3 4 5]
 
 Counters (``queries``, ``hits``, ``queried_tokens``, ``reused_tokens``,
-``evictions``) feed the statistics and the server's metrics. Not thread-safe:
-one engine, one caller at a time.
+``evictions``) feed the statistics and the server's metrics. Thread-safe: a
+server's batched steps look up and store from several threads at once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class PrefixCache:
         self._entries: OrderedDict[int, tuple[KVCache, int]] = OrderedDict()  # id -> (cache, bytes), oldest first
         self._next_id = 0
         self.bytes_used = 0  # kept up to date, so other threads may read it
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -69,13 +71,18 @@ class PrefixCache:
     @property
     def held_token_ids(self) -> list[list[int]]:
         """The token sequences held, least recently used first."""
-        return [entry.token_ids for entry, _ in self._entries.values()]
+        with self._lock:
+            return [entry.token_ids for entry, _ in self._entries.values()]
 
     def lookup(self, token_ids: Sequence[int], capacity: int | None = None) -> tuple[KVCache | None, int]:
         """A copy of the best entry cropped to the prefix it shares with ``token_ids``, and that length.
 
         The copy is allocated once, with room for ``capacity`` positions (None: what the entry holds).
         """
+        with self._lock:
+            return self._lookup(token_ids, capacity)
+
+    def _lookup(self, token_ids: Sequence[int], capacity: int | None) -> tuple[KVCache | None, int]:
         self.counters.queries += 1
         self.counters.queried_tokens += len(token_ids)
         best_key, best_shared = None, 0
@@ -94,6 +101,10 @@ class PrefixCache:
 
     def store(self, cache: KVCache) -> None:
         """Keep ``cache`` (owned by the store from now on); see the module docstring."""
+        with self._lock:
+            self._store(cache)
+
+    def _store(self, cache: KVCache) -> None:
         held = cache.token_ids
         if len(held) < self.min_reused_tokens:
             return
@@ -112,8 +123,9 @@ class PrefixCache:
             self.counters.evictions += 1
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.bytes_used = 0
+        with self._lock:
+            self._entries.clear()
+            self.bytes_used = 0
 
 
 def _is_prefix(short: Sequence[int], long: Sequence[int]) -> bool:

@@ -36,7 +36,7 @@ class ServerState:
         self.engine, self.config, self.fleet, self.window = engine, config, fleet, window
         slots = concurrent_sequences(config.max_num_seqs, window, kv_bytes_per_token(engine.target),
                                      free_memory_bytes(engine.target.device), engine.prefix_cache.max_bytes)
-        self.worker = Worker(config.max_queue, slots)
+        self.worker = Worker(config.max_queue, slots, batched=config.batch_steps)
         self.metrics = ServerMetrics(config.model_name, waiting=lambda: self.worker.waiting,
                                      running=lambda: self.worker.running)
         self.tokens = ServerTokens(engine.tokenizer, config.max_document_tokens or 4 * window)
@@ -76,6 +76,7 @@ class ServerState:
                 "rapid_eta": {"default": self.default_eta.eta, "reason": reason, "drafter": engine.drafter_label,
                               "drafter_relation": engine.drafter_relation},
                 "waiting": worker.waiting, "max_num_seqs": worker.max_num_seqs, "max_queue": config.max_queue,
+                "batch_steps": worker.batched, "batched_forward_rows_recent": list(worker.batch_rows[-32:]),
                 "prefix_cache": {"entries": len(engine.prefix_cache), "bytes": engine.prefix_cache.bytes_used,
                                  "max_bytes": engine.prefix_cache.max_bytes}}
 

@@ -20,6 +20,12 @@ then ``("error", exception)`` if it raised, then always ``("end", None)``.
 The thread runs every step inside ``torch.inference_mode()``: generators
 that enter and leave the mode themselves would otherwise restore it out of
 order when their steps interleave.
+
+``batched``: with more than one job running, a tick advances every running
+job by one step at once, each on a thread of a pool, and their forwards on
+the lean runtime run as one batched forward per model
+(:mod:`rapidspec.runtime.batching`): the weights are read once for all
+requests instead of once per request.
 """
 
 from __future__ import annotations
@@ -30,15 +36,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from rapidspec.errors import RapidspecError
+from rapidspec.runtime.batching import ForwardBatcher, batching
 
 logger = logging.getLogger(__name__)
 
 Emit = Callable[[str, object], None]
 Work = Callable[[Emit, threading.Event], Iterator[None] | None]
+#: Batched forwards whose row counts are kept (``Worker.batch_rows``).
+BATCH_HISTORY = 256
 
 
 class QueueFull(Exception):
@@ -75,13 +85,16 @@ class Job:
 class Worker:
     """Runs up to ``max_num_seqs`` jobs at once, a step each in turn, on a thread of its own; ``max_queue`` may wait."""
 
-    def __init__(self, max_queue: int, max_num_seqs: int = 1) -> None:
+    def __init__(self, max_queue: int, max_num_seqs: int = 1, batched: bool = False) -> None:
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         self.max_queue = max_queue
         self.max_num_seqs = max_num_seqs
+        self.batched = batched and max_num_seqs > 1
+        self._pool = ThreadPoolExecutor(max_num_seqs, thread_name_prefix="rapidspec-step") if self.batched else None
+        self.batch_rows: list[int] = []  # rows of each batched forward (recent ticks; /health, tests)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0
         self._queued: set[Job] = set()  # submitted, not yet taken by the thread nor cancelled
@@ -161,6 +174,8 @@ class Worker:
             job.cancel()
         self._jobs.put(None)
         self._thread.join(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -175,8 +190,38 @@ class Worker:
                         stopping = True
                     else:
                         self._start(job)
+                if self._pool is not None and len(self._running) > 1:
+                    self._tick()
+                    continue
                 for job, steps in list(self._running):
                     self._step(job, steps)
+
+    def _tick(self) -> None:
+        """One step of every running job at once, on the pool's threads, their lean forwards batched."""
+        running = list(self._running)
+        batcher = ForwardBatcher(len(running))
+
+        def step(steps: Iterator[None]) -> BaseException | None:
+            with torch.inference_mode(), batching(batcher):
+                try:
+                    next(steps)
+                except BaseException as err:  # StopIteration included: handled on the worker thread
+                    return err
+            return None
+
+        outcomes = list(self._pool.map(step, [steps for _, steps in running]))
+        self.batch_rows = (self.batch_rows + batcher.batches)[-BATCH_HISTORY:]
+        for (job, steps), outcome in zip(running, outcomes):
+            if outcome is None:
+                continue
+            if isinstance(outcome, StopIteration):
+                job.emit("end")
+            elif isinstance(outcome, Exception):
+                self._fail(job, outcome)
+            else:
+                raise outcome
+            with self._lock:
+                self._running.remove((job, steps))
 
     def _start(self, job: Job) -> None:
         with self._lock:

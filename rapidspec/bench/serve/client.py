@@ -140,8 +140,9 @@ async def read_counters(client: httpx.AsyncClient) -> dict[str, float] | None:
     except httpx.HTTPError as err:
         logger.warning("could not read /metrics: %s", err)
         return None
-    if response.status_code != 200:
-        logger.warning("/metrics answered %s", response.status_code)
+    if response.status_code != 200:  # 404/501: a server without /metrics (llama-server by default)
+        log = logger.info if response.status_code in (404, 501) else logger.warning
+        log("/metrics answered %s: no server counters", response.status_code)
         return None
     names = {name: key for key, name in COUNTERS.items()}
     values = dict.fromkeys(COUNTERS, 0.0)
