@@ -155,3 +155,21 @@ def test_requests_served_together_answer_as_alone(lean_target, lean_drafter, dra
     assert together == alone
     assert health["batch_steps"] is True
     assert max(apps[0].state.server.worker.batch_rows or [1]) > 1  # some forwards did run several rows
+
+
+def test_llama_cpp_contexts_decode_at_once_only_where_cores_allow():
+    """Spinning llama.cpp threads must not share cores: contexts beyond the cores take turns."""
+    import os
+
+    from rapidspec.runtime.llama_cpp import decode_gate
+
+    cores = os.cpu_count() or 1
+    gate = decode_gate(cores)
+    assert decode_gate(cores) is gate
+    assert gate.acquire(blocking=False) and not gate.acquire(blocking=False)  # one context of all the cores at a time
+    gate.release()
+    wide = decode_gate(1)
+    taken = [wide.acquire(blocking=False) for _ in range(cores)]
+    assert all(taken) and not wide.acquire(blocking=False)  # one per core for single-threaded contexts
+    for _ in taken:
+        wide.release()

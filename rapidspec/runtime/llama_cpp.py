@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +37,24 @@ logger = logging.getLogger(__name__)
 BATCH_TOKENS = 512
 #: Contexts are sized in multiples of this many tokens.
 CONTEXT_QUANTUM = 1024
+
+
+_gates: dict[int, threading.BoundedSemaphore] = {}
+_gates_lock = threading.Lock()
+
+
+def decode_gate(threads: int) -> threading.BoundedSemaphore:
+    """How many llama.cpp contexts of ``threads`` threads may decode at once: as many as the CPU has cores for.
+
+    llama.cpp's threads wait for each other by spinning, so two contexts
+    decoding at once on cores they must share (a server's batched steps
+    drafting for several requests) slow each other far more than taking
+    turns does; beyond the cores, they take turns.
+    """
+    with _gates_lock:
+        if threads not in _gates:
+            _gates[threads] = threading.BoundedSemaphore(max(1, (os.cpu_count() or 1) // threads))
+        return _gates[threads]
 
 
 def llama_cpp_available() -> bool:
@@ -66,6 +86,7 @@ class LlamaCppModel:
         self.path = Path(path)
         self.threads = threads
         self.flash_attention = flash_attention
+        self.gate = decode_gate(threads)
         ll.llama_backend_init()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -134,7 +155,8 @@ class LlamaCppContext(HeldTokens):
         for start in range(0, len(token_ids), BATCH_TOKENS):
             part = [int(t) for t in token_ids[start : start + BATCH_TOKENS]]
             array = (ll.llama_token * len(part))(*part)
-            status = ll.llama_decode(self._ctx, ll.llama_batch_get_one(array, len(part)))
+            with self.model.gate:
+                status = ll.llama_decode(self._ctx, ll.llama_batch_get_one(array, len(part)))
             if status != 0:
                 self.crop(self.length)  # keep memory and token list in step after a partial failure
                 raise RuntimeError(f"llama_decode failed with status {status}")

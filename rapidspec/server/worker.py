@@ -83,7 +83,8 @@ class Job:
 
 
 class Worker:
-    """Runs up to ``max_num_seqs`` jobs at once, a step each in turn, on a thread of its own; ``max_queue`` may wait."""
+    """Runs up to ``max_num_seqs`` jobs at once, a step each per turn (``batched``: all at once, forwards batched),
+    from a thread of its own; ``max_queue`` may wait."""
 
     def __init__(self, max_queue: int, max_num_seqs: int = 1, batched: bool = False) -> None:
         if max_queue < 0:
