@@ -161,6 +161,7 @@ def test_the_peer_gets_the_same_load_and_both_are_reported(tiny_model, other_tin
     with running_server(engine) as url:
         code = main(["bench", "serve", "--base-url", url, "--num-prompts", "3", "--max-concurrency", "2",
                      "--peer", "llama.cpp", "--peer-gguf", str(builtin_gguf_path()), "--peer-threads", "1",
+                     "--peer-parallel", "2",
                      "--extra-body", '{"mode": "rapid"}', *SMALL])
     captured = capsys.readouterr()
     assert code == 0, captured.err

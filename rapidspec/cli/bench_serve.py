@@ -87,8 +87,9 @@ def register(subparsers) -> None:
                       help="llama.cpp: llama.cpp's own llama-server on the target's GGUF (built from the pinned "
                            "llama-cpp-python's sources on first use, about 6 minutes on 2 cores, then cached)")
     peer.add_argument("--peer-gguf", default=None, help="the GGUF file the peer serves (default: the target's)")
-    peer.add_argument("--peer-parallel", type=int, default=None,
-                      help="the peer's slots (default: --max-concurrency, else --num-prompts, at most 64)")
+    peer.add_argument("--peer-parallel", type=int, default=1,
+                      help="the peer's slots (default: %(default)s: llama-server does not share a document's prefix "
+                           "between slots, so with more every slot prefills it again; see docs/bench_serve.md)")
     peer.add_argument("--peer-threads", type=int, default=None, help="the peer's threads (default: torch's, as rapidspec's)")
     peer.add_argument("--peer-args", default="", help="more options for llama-server, one string, e.g. '-fa on'")
     parser.add_argument("--result-file", default=None, help="also write the JSON result to this file")
@@ -163,7 +164,7 @@ def _peer_config(args: argparse.Namespace, config, requests):
     if gguf is None or not gguf.is_file():
         raise RapidspecError(f"--peer {args.peer} serves a GGUF file: the target {args.target or 'builtin'!r} was not "
                              "read from one; give --peer-gguf FILE")
-    parallel = args.peer_parallel or min(config.max_concurrency or config.num_prompts, 64)
+    parallel = args.peer_parallel
     threads = args.peer_threads or torch.get_num_threads()
     if parallel < 1 or threads < 1:
         raise RapidspecError("--peer-parallel and --peer-threads must be >= 1")

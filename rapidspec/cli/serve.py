@@ -38,9 +38,10 @@ def register(subparsers) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=4,
                         help="requests the engine advances in turn, a round each, so a short answer is not held behind a "
                              "long one; fewer when their windows do not fit the free memory (default: %(default)s)")
-    parser.add_argument("--batch-steps", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--batch-steps", action=argparse.BooleanOptionalAction, default=False,
                         help="advance the running requests together, their target (and torch drafter) forwards on the "
-                             "lean runtime batched into one forward per step; --no-batch-steps: in turn (default: on)")
+                             "lean runtime batched into one forward per step, instead of in turn (default: off; on 2 "
+                             "cores it was slower, docs/scaling.md)")
     parser.add_argument("--max-queue", type=int, default=16, help="requests that may wait beyond those; more get 429 (default: %(default)s)")
     parser.add_argument("--recent-messages", type=int, default=DEFAULT_RECENT_MESSAGES,
                         help="earlier chat messages the drafter always reads verbatim (default: %(default)s)")

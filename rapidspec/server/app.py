@@ -56,7 +56,7 @@ class ServerConfig:
     recent_messages: int = DEFAULT_RECENT_MESSAGES
     max_queue: int = 16
     max_num_seqs: int = 4
-    batch_steps: bool = True
+    batch_steps: bool = False
     disconnect_poll_seconds: float = 0.5
     api_key: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024
