@@ -7,7 +7,7 @@ llama-cpp-python's source distribution vendors llama.cpp
 fetches that sdist of the installed version from the package index with pip
 (no other download: the web UI is neither built nor fetched), configures it
 with CMake for this CPU (``GGML_NATIVE``) and builds the one target
-``llama-server`` (about 6 minutes on 2 cores). The binary is cached under
+``llama-server`` (about 4.5 minutes on 2 cores). The binary is cached under
 ``$RAPIDSPEC_CACHE/llama-server/<version>-<cpu>`` (the CPU's flags: a native
 build may not run on another CPU). ``$RAPIDSPEC_LLAMA_SERVER`` names a binary
 of your own instead. ``python -m rapidspec.bench.llama_server`` builds it
@@ -108,7 +108,7 @@ def build_llama_server(progress: Callable[[str], None] = logger.info, jobs: int 
         build = work_dir / "build"
         progress(f"llama-server: configuring llama.cpp for this CPU (cmake, {source.name})")
         _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS], "cmake configure")
-        progress(f"llama-server: compiling with {jobs} jobs (about 6 minutes on 2 cores)")
+        progress(f"llama-server: compiling with {jobs} jobs (about 4.5 minutes on 2 cores)")
         _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], "cmake build")
         built = next((p for p in build.rglob("llama-server") if p.is_file() and os.access(p, os.X_OK)), None)
         if built is None:
@@ -128,7 +128,7 @@ def llama_server_binary(build: bool = True, progress: Callable[[str], None] = lo
         return found
     if not build:
         raise RapidspecError(f"llama-server is not built: run `python -m rapidspec.bench.llama_server` "
-                             f"(about 6 minutes on 2 cores) or set ${ENV_BINARY}")
+                             f"(about 4.5 minutes on 2 cores) or set ${ENV_BINARY}")
     return build_llama_server(progress)
 
 

@@ -85,7 +85,7 @@ def register(subparsers) -> None:
     peer = parser.add_argument_group("peer: the same load on another server, started here after rapidspec's run")
     peer.add_argument("--peer", choices=PEERS, default=None,
                       help="llama.cpp: llama.cpp's own llama-server on the target's GGUF (built from the pinned "
-                           "llama-cpp-python's sources on first use, about 6 minutes on 2 cores, then cached)")
+                           "llama-cpp-python's sources on first use, about 4.5 minutes on 2 cores, then cached)")
     peer.add_argument("--peer-gguf", default=None, help="the GGUF file the peer serves (default: the target's)")
     peer.add_argument("--peer-parallel", type=int, default=1,
                       help="the peer's slots (default: %(default)s: llama-server does not share a document's prefix "
