@@ -320,8 +320,7 @@ class Rapid:
                 next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, run.params, run.generator)
                 verdict = sampling.Verdict(verdict.accepted, next_token)
             if drafter is not None:
-                run.record_round(len(proposal.tokens), verdict.accepted, proposal.forwards, asked, (t0, t1, t2),
-                                 len(fed))
+                run.record_round(len(proposal.tokens), verdict.accepted, proposal, asked, (t0, t1, t2), len(fed))
             # 5 commit: stop at EOS, a stop string and max_new_tokens, then roll back the caches
             emitted, finished = cut_answer(proposal.tokens[: verdict.accepted] + [verdict.next_token], remaining,
                                            run.stop_tokens)
@@ -377,15 +376,14 @@ class _Generation:
         if self.sync and self.drafter is not None and self.drafter.cache is not None:
             _sync(self.drafter.device)
 
-    def record_round(self, drafted: int, accepted: int, forwards: int, asked_bonus: bool, times: tuple,
-                     fed: int) -> None:
+    def record_round(self, drafted: int, accepted: int, proposal, asked_bonus: bool, times: tuple, fed: int) -> None:
         """Count a round in the statistics and the gamma schedule (the bonus row's time is drafting time)."""
         t0, t1, t2 = times
         if self.sync:
             _sync(self.target_cache.device)
         bonus = self.drafter.bonus_seconds if asked_bonus else 0.0
-        measured = RoundRecord(drafted, accepted, t1 - t0 + bonus, forwards + int(asked_bonus), t2 - t1,
-                               time.perf_counter() - t2 - bonus, fed)
+        measured = RoundRecord(drafted, accepted, t1 - t0 + bonus, proposal.forwards + int(asked_bonus), t2 - t1,
+                               time.perf_counter() - t2 - bonus, fed, proposal.caught_up)
         self.stats.add_round(measured)
         self.schedule.record(measured)
 

@@ -24,6 +24,7 @@ class RoundRecord:
     verify_seconds: float  # the target forward
     accept_seconds: float  # the acceptance math of step 4, drafter time excluded
     verified: int  # tokens the target forward fed (pending + drafted)
+    drafter_caught_up: int = 0  # tokens the drafter's first forward fed before drafting
 
 
 @dataclass

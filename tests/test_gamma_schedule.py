@@ -11,6 +11,7 @@ from rapidspec.cli import main
 from rapidspec.errors import RapidspecError
 from rapidspec.drafting.gamma_schedule import (
     ACCEPTANCE_DECAY,
+    CATCH_UP_TOKENS,
     EXTRAPOLATE_TOKENS,
     MAX_PROBE_EVERY,
     PROBE_DRAFTS,
@@ -319,3 +320,12 @@ def test_cli_refuses_an_unknown_gamma_schedule(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--gamma-schedule: invalid choice: 'fast'" in err and "cost" in err
+
+
+def test_cost_schedule_measures_drafter_steps_without_catch_up_forwards():
+    """A probe's first drafter forward feeds the tokens of the plain rounds before it: not a step's cost."""
+    schedule = CostSchedule(2, 8, 1.0)
+    schedule.record(round_record(2, 2))  # warm-up, not measured
+    schedule.record(RoundRecord(2, 2, 0.06, 3, 0.1, 0.0, 3, drafter_caught_up=2))  # 20 ms a step
+    schedule.record(RoundRecord(2, 2, 0.30, 3, 0.1, 0.0, 3, drafter_caught_up=CATCH_UP_TOKENS + 6))  # caught up on 8
+    assert list(schedule.draft_step_samples) == [pytest.approx(0.02)]

@@ -47,6 +47,7 @@ class Proposal:
     tokens: list[int]
     rows: torch.Tensor | None = None
     forwards: int = 0  # drafter forward passes it took
+    caught_up: int = 0  # tokens its first forward fed before drafting (the pending ones; many after plain rounds)
 
 
 NO_PROPOSAL = Proposal([])
@@ -136,7 +137,8 @@ class ModelDrafter:
         keep_rows = not config.greedy or config.effective_eta > 0
         confidence = config.draft_confidence
         rows: list[torch.Tensor] = []  # each [V] on the target's device
-        logits = self._next_logits(self.sequence[self.cache.length :])  # [V]
+        pending = self.sequence[self.cache.length :]
+        logits = self._next_logits(pending)  # [V]
         forwards = 1
         for position in range(k):
             if keep_rows:
@@ -152,7 +154,7 @@ class ModelDrafter:
                 break
             logits = self._next_logits([token])
             forwards += 1
-        return Proposal(list(self._drafts), torch.stack(rows) if rows else None, forwards)
+        return Proposal(list(self._drafts), torch.stack(rows) if rows else None, forwards, len(pending))
 
     def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False) -> torch.Tensor | None:
         """The row at the position after the last draft ([V]), or None after a stopping draft.

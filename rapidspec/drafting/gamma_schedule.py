@@ -69,6 +69,11 @@ DRAFT_WINDOW = 16
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 64
 PROBE_DRAFTS = 2
+# A drafter step's cost d is measured on rounds whose first drafter forward fed at most this
+# many tokens: after plain rounds the drafter first catches up on every token it missed, in
+# one forward that costs several steps, and counting it as one step made d look dearer than
+# it is (on a 26K-token document probes then never showed that drafting pays).
+CATCH_UP_TOKENS = 2
 # Measured costs plan rounds verifying at most this many tokens more than the largest
 # round measured so far: the straight line v(n) is only trusted near its data (on the
 # built-in model it underestimated long verifies and the schedule drafted too long).
@@ -319,7 +324,7 @@ class CostSchedule:
             self.plain_streak += 1
         if self.rounds == 1:
             return
-        if round_.drafter_forwards:
+        if round_.drafter_forwards and round_.drafter_caught_up <= CATCH_UP_TOKENS:
             self.draft_step_samples.append(round_.draft_seconds / round_.drafter_forwards)
         verify_seconds = round_.verify_seconds + round_.accept_seconds
         self.verify_samples.setdefault(round_.verified, deque(maxlen=VERIFY_WINDOW)).append(verify_seconds)
