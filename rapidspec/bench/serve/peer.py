@@ -50,7 +50,7 @@ class PeerConfig:
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 60.0
-    api_key: str | None = field(default=None, repr=False)  # unused: the peer listens on 127.0.0.1 without one
+    api_key: str | None = field(default=None, repr=False)  # always None: the peer listens on 127.0.0.1 without a key
 
     def __post_init__(self) -> None:
         if not self.gguf.is_file():
