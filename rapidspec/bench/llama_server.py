@@ -92,9 +92,8 @@ def build_llama_server(progress: Callable[[str], None] = logger.info, jobs: int 
     target = cached_binary_path(version)
     if target.is_file():
         return target
-    for tool in ("cmake",):
-        if shutil.which(tool) is None:
-            raise RapidspecError(f"building llama-server needs {tool} on PATH (Debian: apt install {tool})")
+    if shutil.which("cmake") is None:
+        raise RapidspecError("building llama-server needs cmake on PATH (Debian: apt install cmake)")
     jobs = jobs or os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="rapidspec-llama-server-") as work:
         work_dir = Path(work)

@@ -114,46 +114,46 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     if launch is None:
         summary = _measure(config, requests, err) | {"server": {"started_here": False}}
-        failed_server = False
     else:
         from rapidspec.bench.serve.process import LocalServer
 
-        with contextlib.ExitStack() as stack:
-            with err.status("starting rapidspec serve on 127.0.0.1"):
-                server = stack.enter_context(LocalServer(launch))
-            err.print(f"rapidspec serve started at {server.url} (log: {server.log_path})", soft_wrap=True)
-            summary = _measure(replace(config, base_url=server.url), requests, err)
-        summary["server"] = {"started_here": True, "args": _redacted(launch.serve_args), "exit_code": server.exit_code,
-                             "log": server.log_path}
-        failed_server = server.exit_code != 0
+        summary = _measure_started(LocalServer(launch), config, requests, err, _redacted(launch.serve_args))
     summary = {"dataset": args.dataset} | summary
-    out = Console(width=None if Console().is_terminal else 120)
-    if peer is None:
-        if result_file is not None:
-            result_file.write_text(json.dumps(summary, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-        for table in results_tables(summary):
-            out.print(table)
-        print(json.dumps(summary, ensure_ascii=False), flush=True)
-        return 1 if summary["lost"] or summary["errors"] or failed_server else 0
-    peer_summary = {"dataset": args.dataset} | _measure_peer(peer, config, requests, err)
-    both = {"dataset": args.dataset, "servers": {"rapidspec": summary, args.peer: peer_summary}}
+    summaries = {"rapidspec": summary}
+    if peer is not None:
+        from rapidspec.bench.serve.peer import PeerServer, peer_load
+
+        peer_config = peer_load(replace(config, api_key=None))
+        summaries[args.peer] = {"dataset": args.dataset} | _measure_started(
+            PeerServer(peer), peer_config, requests, err, [str(peer.binary), *peer.args()])
+    result = summary if peer is None else {"dataset": args.dataset, "servers": summaries}
     if result_file is not None:
-        result_file.write_text(json.dumps(both, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        result_file.write_text(json.dumps(result, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    out = Console(width=None if Console().is_terminal else 120)
     for table in results_tables(summary):
         out.print(table)
-    out.print(comparison_table(both["servers"]))
-    print(json.dumps(both, ensure_ascii=False), flush=True)
-    failed_peer = peer_summary["server"]["exit_code"] != 0
-    lost = any(s["lost"] or s["errors"] for s in both["servers"].values())
-    return 1 if lost or failed_server or failed_peer else 0
+    if peer is not None:
+        out.print(comparison_table(summaries))
+    print(json.dumps(result, ensure_ascii=False), flush=True)
+    failed = any(s["lost"] or s["errors"] or s["server"].get("exit_code", 0) != 0 for s in summaries.values())
+    return 1 if failed else 0
+
+
+def _measure_started(server, config, requests, err: Console, args: list[str]) -> dict:
+    """Start ``server`` (a LocalServer) on 127.0.0.1, measure the load on it, stop it; the summary with its side."""
+    with contextlib.ExitStack() as stack:
+        with err.status(f"starting {server.name} on 127.0.0.1"):
+            stack.enter_context(server)
+        err.print(f"{server.name} started at {server.url} (log: {server.log_path})", soft_wrap=True)
+        summary = _measure(replace(config, base_url=server.url), requests, err)
+    return summary | {"server": {"started_here": True, "args": args, "exit_code": server.exit_code,
+                                 "log": server.log_path}}
 
 
 def _peer_config(args: argparse.Namespace, config, requests):
     """The peer to start after rapidspec's run (None without --peer); checked before anything runs."""
     if args.peer is None:
         return None
-    from pathlib import Path
-
     import torch
 
     from rapidspec.bench.llama_server import llama_server_binary
@@ -180,19 +180,6 @@ def _peer_config(args: argparse.Namespace, config, requests):
     binary = llama_server_binary(progress=lambda line: err.print(line, soft_wrap=True))
     return PeerConfig(binary=binary, gguf=gguf, threads=threads, parallel=parallel, slot_context=context,
                       extra_args=extra, start_timeout_s=args.server_timeout)
-
-
-def _measure_peer(peer, config, requests, err: Console) -> dict:
-    from rapidspec.bench.serve.peer import PeerServer, peer_load
-
-    with contextlib.ExitStack() as stack:
-        with err.status(f"starting llama-server on 127.0.0.1 ({peer.parallel} slots of {peer.slot_context} tokens)"):
-            server = stack.enter_context(PeerServer(peer))
-        err.print(f"llama-server started at {server.url} (log: {server.log_path})", soft_wrap=True)
-        summary = _measure(peer_load(replace(config, base_url=server.url, api_key=None)), requests, err)
-    summary["server"] = {"started_here": True, "args": [str(peer.binary), *peer.args()], "exit_code": server.exit_code,
-                         "log": server.log_path}
-    return summary
 
 
 def _measure(config, requests, err: Console) -> dict:

@@ -151,7 +151,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LeanModel:
-    """The lean forward of one loaded llama/qwen2 causal LM (batch size 1).
+    """The lean forward of one loaded llama/qwen2 causal LM: one or several sequences (rows), each with its own cache.
 
     Built by :func:`rapidspec.models.load_model` where
     :func:`lean_unsupported_reason` allows; caches come from
@@ -222,17 +222,6 @@ class LeanModel:
             cos, sin = self.rotary(probe, positions)  # [1, size, d], computed in float32 and rounded
             self._cos, self._sin = cos[0], sin[0]
         return self._cos[start:end], self._sin[start:end]
-
-    def forward(
-        self,
-        token_ids: torch.Tensor,  # [T] long
-        keys: torch.Tensor,  # [layers, kv_heads, capacity, d]; positions < start hold the past
-        values: torch.Tensor,  # [layers, kv_heads, capacity, d]
-        start: int,
-        num_logits: int,
-    ) -> torch.Tensor:
-        """Write the new tokens' keys/values at ``start`` and return logits [num_logits, V] (model dtype)."""
-        return self.forward_rows([Row(token_ids, keys, values, start, num_logits)])[0]
 
     def forward_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """One forward for several sequences, each with its own cache, start and number of new tokens.

@@ -204,25 +204,12 @@ class Worker:
 
         def step(steps: Iterator[None]) -> BaseException | None:
             with torch.inference_mode(), batching(batcher):
-                try:
-                    next(steps)
-                except BaseException as err:  # StopIteration included: handled on the worker thread
-                    return err
-            return None
+                return _advance(steps)
 
         outcomes = list(self._pool.map(step, [steps for _, steps in running]))
         self.batch_rows = (self.batch_rows + batcher.batches)[-BATCH_HISTORY:]
         for (job, steps), outcome in zip(running, outcomes):
-            if outcome is None:
-                continue
-            if isinstance(outcome, StopIteration):
-                job.emit("end")
-            elif isinstance(outcome, Exception):
-                self._fail(job, outcome)
-            else:
-                raise outcome
-            with self._lock:
-                self._running.remove((job, steps))
+            self._settle(job, steps, outcome)
 
     def _start(self, job: Job) -> None:
         with self._lock:
@@ -235,13 +222,19 @@ class Worker:
         job.started = time.perf_counter()
 
     def _step(self, job: Job, steps: Iterator[None]) -> None:
-        try:
-            next(steps)
+        self._settle(job, steps, _advance(steps))
+
+    def _settle(self, job: Job, steps: Iterator[None], outcome: BaseException | None) -> None:
+        """After a step: nothing (it goes on), or the job's end (done, or failed and reported) and its slot freed.
+        Anything but an Exception (KeyboardInterrupt, SystemExit) is raised again here."""
+        if outcome is None:
             return
-        except StopIteration:
+        if isinstance(outcome, StopIteration):
             job.emit("end")
-        except Exception as err:  # reported to the client; the worker goes on
-            self._fail(job, err)
+        elif isinstance(outcome, Exception):  # reported to the client; the worker goes on
+            self._fail(job, outcome)
+        else:
+            raise outcome
         with self._lock:
             self._running.remove((job, steps))
 
@@ -251,6 +244,15 @@ class Worker:
             logger.exception("generation failed", exc_info=err)
         job.emit("error", err)
         job.emit("end")
+
+
+def _advance(steps: Iterator[None]) -> BaseException | None:
+    """One step; what ended it (StopIteration when the job is done, or what it raised), None when it goes on."""
+    try:
+        next(steps)
+    except BaseException as err:  # settled on the worker thread (Worker._settle)
+        return err
+    return None
 
 
 def _steps(job: Job) -> Iterator[None]:

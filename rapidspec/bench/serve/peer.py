@@ -76,9 +76,6 @@ class PeerServer(LocalServer):
 
     name = "llama-server"
 
-    def __init__(self, config: PeerConfig) -> None:
-        super().__init__(config)
-
     def command(self, port: int) -> list[str]:
         return [str(self.config.binary), "--host", "127.0.0.1", "--port", str(port), *self.config.args()]
 
