@@ -15,6 +15,7 @@ from rapidspec.drafting.eta_default import DEFAULT_ETA
 from rapidspec.drafting.modes import MODE_TABLE, MODES
 from rapidspec.drafting.streaming import DEFAULT_SINK_TOKENS, DEFAULT_STREAMING_TOKENS
 from rapidspec.errors import RapidspecError
+from rapidspec.grammar.spec import Grammar
 
 Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
 GAMMA_SCHEDULES: tuple[str, ...] = ("auto", "constant", "heuristic", "cost")
@@ -87,6 +88,10 @@ class DecodeConfig:
       log-probability and the n most likely tokens at its position, under the
       distribution the token follows (p, or p^ for ``rapid``; at temperature 1
       without filters when greedy), at most 20.
+    * ``grammar``: what the answer must match (:class:`~rapidspec.grammar.Grammar`:
+      a JSON schema, any JSON object, Lark or a regex), or None. Also takes
+      OpenAI's ``response_format`` dict or a Pydantic model class. Drafts and
+      verification are masked alike; the answer ends once the grammar is complete.
 
     Counts are bounded (:data:`MAX_GAMMA`, :data:`MAX_TOKENS`, :data:`MAX_STOP_STRINGS`).
     """
@@ -113,6 +118,7 @@ class DecodeConfig:
     max_model_len: int | None = None
     time_limit_s: float | None = None
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -160,6 +166,7 @@ class DecodeConfig:
         if self.logprobs is not None:
             _check_count("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "grammar", Grammar.of(self.grammar))
 
     @property
     def resolved_gamma_schedule(self) -> str:

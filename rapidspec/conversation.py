@@ -35,9 +35,10 @@ completions route): the messages' contents joined by blank lines.
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rapidspec.drafting import MODE_TABLE
 from rapidspec.errors import ContextLengthError, RapidspecError
@@ -46,7 +47,7 @@ from rapidspec.retrieval import CHUNK_SEPARATOR
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 #: Roles read as another: ``developer`` is what OpenAI's newer models call the system prompt (as vLLM reads it).
 ROLE_ALIASES = {"developer": "system"}
 #: Earlier messages the drafter always reads verbatim (the last exchange).
@@ -60,11 +61,32 @@ _MARGIN_TOKENS = 8
 
 @dataclass(frozen=True)
 class Message:
+    """One turn. ``tool_calls``: an assistant's calls (JSON text of OpenAI's list); ``tool_call_id``: the call a
+    ``tool`` message answers."""
+
     role: str
     content: str
+    tool_calls: str | None = None
+    tool_call_id: str | None = None
 
-    def to_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def to_dict(self) -> dict:
+        """The dict a chat template reads (calls with their arguments as objects, as templates expect them)."""
+        out: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_call_for_template(call) for call in json.loads(self.tool_calls)]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _call_for_template(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass  # the template shows it as the text it is
+    return {**call, "function": function}
 
 
 def parse_messages(raw) -> tuple[Message, ...]:
@@ -84,11 +106,20 @@ def parse_messages(raw) -> tuple[Message, ...]:
         if role not in ROLES:
             raise RapidspecError(f"{where}.role must be one of {', '.join([*ROLES, *ROLE_ALIASES])}, got {role!r:.60}",
                                  param=f"{where}.role")
-        messages.append(Message(role, _text_content(content, f"{where}.content")))
-    if messages[-1].role != "user":
-        raise RapidspecError("the last message must be a user message", param="messages")
+        calls = item.get("tool_calls")
+        if calls is not None and (role != "assistant" or not isinstance(calls, list)):
+            raise RapidspecError(f"{where}.tool_calls must be a list, in an assistant message", param=f"{where}.tool_calls")
+        if content is None and calls:  # an assistant message that only calls tools
+            content = ""
+        call_id = item.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise RapidspecError(f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
+        messages.append(Message(role, _text_content(content, f"{where}.content"),
+                                json.dumps(calls) if calls else None, call_id if role == "tool" else None))
+    if messages[-1].role not in ("user", "tool"):
+        raise RapidspecError("the last message must be a user message (or a tool's result)", param="messages")
     if not messages[-1].content.strip():
-        raise RapidspecError("the last user message is empty", param="messages")
+        raise RapidspecError(f"the last {messages[-1].role} message is empty", param="messages")
     return tuple(messages)
 
 
@@ -173,6 +204,7 @@ def chat_prompts(
     system_text = CHUNK_SEPARATOR.join(m.content for m in messages[:n_system])
     rest = list(messages[n_system:])
     earlier, last = rest[:-1], rest[-1]
+    question = next((m.content for m in reversed(rest) if m.role == "user"), last.content)  # after tools too
     retrieval, turns = None, ()
     spec = MODE_TABLE[mode]
     wants_retrieval = spec.uses_retrieval
@@ -185,7 +217,7 @@ def chat_prompts(
         long_messages = with_documents(messages, documents)
         short_messages = long_messages
         if wants_retrieval:
-            retrieval = retriever.retrieve(CHUNK_SEPARATOR.join(documents), query or last.content)
+            retrieval = retriever.retrieve(CHUNK_SEPARATOR.join(documents), query or question)
             short_messages = with_documents(messages, (retrieval.text,), RETRIEVED_SOURCE)
     elif earlier:
         long_messages = with_system("") + rest
@@ -193,7 +225,7 @@ def chat_prompts(
         recent = earlier[len(earlier) - recent_messages :] if recent_messages else []
         corpus = earlier[: len(earlier) - len(recent)]
         if wants_retrieval and any(m.content.strip() for m in corpus):
-            retrieval = retriever.retrieve_segments([m.content for m in corpus], query or last.content)
+            retrieval = retriever.retrieve_segments([m.content for m in corpus], query or question)
             kept, picked = _retrieved_turns(corpus, retrieval)
             turns = tuple(n_system + i for i in picked)
             short_messages = with_system("") + kept + recent + [last]
@@ -312,7 +344,7 @@ def _cut_message(tokenizer, messages: list[Message], index: int, excess: int, qu
         if keep < min_keep:
             raise ContextLengthError("the prompt cannot be cut to fit the window")
     if keep < len(content_ids):
-        messages[index] = Message(messages[index].role, cut_middle(tokenizer, content_ids, keep))
+        messages[index] = replace(messages[index], content=cut_middle(tokenizer, content_ids, keep))
     return render(tokenizer, messages, raw)
 
 

@@ -34,6 +34,8 @@ from rapidspec.drafting.eta_default import EtaWarnings, resolve_eta
 from rapidspec.drafting.factory import DrafterFactory, drop_started
 from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
 from rapidspec.errors import RapidspecError
+from rapidspec.grammar import GrammarTokens, apply_mask
+from rapidspec.grammar.tools import TemplateWithTools, ToolChoice, check_template
 from rapidspec.logprobs import round_logprobs
 from rapidspec.models.vocabulary import eos_token_ids
 from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
@@ -89,6 +91,8 @@ class Rapid:
         self.drafting = DrafterFactory(target, drafter, drafter_backend, drafter_threads, prefill_chunk_tokens,
                                        keep=reuse_document_cache, prefill=drafter_prefill)
         self.vocab_size = self.drafting.vocab_size
+        self.grammar_tokens = GrammarTokens(self.tokenizer, max(self.vocab_size, len(self.tokenizer)),
+                                            self.eos_token_ids)
         self._eta_warnings = EtaWarnings()
 
     @classmethod
@@ -149,17 +153,19 @@ class Rapid:
 
     def stream_chat(self, messages, *, documents=None, query: str | None = None,
                     recent_messages: int = DEFAULT_RECENT_MESSAGES, retriever=None, config: DecodeConfig | None = None,
-                    generator: torch.Generator | None = None, profile: bool = False, observer=None,
-                    prefill_progress=None, **options) -> Iterator[StreamChunk]:
+                    tools: ToolChoice | None = None, generator: torch.Generator | None = None, profile: bool = False,
+                    observer=None, prefill_progress=None, **options) -> Iterator[StreamChunk]:
         """Yield the answer to the last user message of ``messages`` (OpenAI-style dicts).
 
         ``documents``: texts or ``{"title", "text"}``; without them the earlier
         turns are the drafter's corpus (:mod:`rapidspec.conversation`);
-        ``retriever`` replaces the engine's for this call.
+        ``retriever`` replaces the engine's for this call; ``tools``: a
+        :class:`~rapidspec.grammar.tools.ToolChoice` (the calls come back as
+        text, :func:`~rapidspec.grammar.tools.parse_tool_calls` reads them).
         """
-        config = DecodeConfig.from_options(config, options)
+        config = self.with_tool_grammar(DecodeConfig.from_options(config, options), tools)
         prompts = self.chat_prompts(messages, config, documents=documents, query=query, recent_messages=recent_messages,
-                                    retriever=retriever)
+                                    retriever=retriever, tools=tools)
         yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer,
                                prefill_progress=prefill_progress)
 
@@ -174,11 +180,17 @@ class Rapid:
         )
 
     def chat_prompts(self, messages, config: DecodeConfig, *, documents=None, query: str | None = None,
-                     recent_messages: int = DEFAULT_RECENT_MESSAGES, raw: bool = False, retriever=None) -> PromptPair:
-        """The prompts of a conversation; ``raw`` skips the chat template, ``retriever`` replaces the engine's."""
+                     recent_messages: int = DEFAULT_RECENT_MESSAGES, raw: bool = False, retriever=None,
+                     tools: ToolChoice | None = None) -> PromptPair:
+        """The prompts of a conversation; ``raw`` skips the chat template, ``retriever`` replaces the engine's,
+        ``tools`` go into the chat template (RapidspecError when the model's template has none)."""
         target_window, drafter_window = self._windows(config)
+        tokenizer = self.tokenizer
+        if tools is not None and tools.calls_expected:
+            check_template(tokenizer)
+            tokenizer = TemplateWithTools(tokenizer, tools.tools)
         pair = chat_prompts(
-            self.tokenizer, retriever or self.retriever, parse_messages(messages), parse_documents(documents), mode=config.mode,
+            tokenizer, retriever or self.retriever, parse_messages(messages), parse_documents(documents), mode=config.mode,
             target_window=target_window, drafter_window=drafter_window, truncate=config.truncate, query=query,
             recent_messages=recent_messages, raw=raw,
         )
@@ -211,6 +223,7 @@ class Rapid:
             generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
 
         deadline = None if config.time_limit_s is None else time.monotonic() + config.time_limit_s
+        grammar = None if config.grammar is None else self.grammar_tokens.start(config.grammar)  # before any work
 
         def out_of_time() -> bool:
             return deadline is not None and time.monotonic() > deadline
@@ -246,7 +259,8 @@ class Rapid:
                 sync = profile or (config.resolved_gamma_schedule == "cost" and drafter is not None)  # cost: exact times
                 run = _Generation(config, sampling.SamplingParams.of(config), stats, generator, target_cache,
                                   target_seq, drafter, schedule or new_schedule(config),
-                                  frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time)
+                                  frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time,
+                                  grammar)
                 yield from self._decode(run, prompts, observer)
                 consistent = True
             except GeneratorExit:
@@ -257,6 +271,16 @@ class Rapid:
                     drafter.close(keep=consistent)
                 if use_store and consistent:
                     self.prefix_cache.store(target_cache)  # the cache is the store's from now on
+
+    def with_tool_grammar(self, config: DecodeConfig, tools: ToolChoice | None) -> DecodeConfig:
+        """``config`` constrained to tool calls when ``tools`` requires them (``required`` or a named function)."""
+        grammar = None if tools is None else tools.grammar(self.tokenizer)
+        if grammar is None:
+            return config
+        if config.grammar is not None:
+            raise RapidspecError(f"tool_choice {tools.choice!r} constrains the answer to tool calls: it cannot be "
+                                 "combined with response_format", param="tool_choice")
+        return config.with_(grammar=grammar)
 
     def clear_document_cache(self) -> None:
         """Forget every stored target cache and the drafters' kept caches (the next prefills start from scratch)."""
@@ -302,12 +326,15 @@ class Rapid:
             t0 = time.perf_counter()
             requested = 0 if drafter is None else run.schedule.next_drafts()
             k = min(requested, remaining - 1)
-            proposal = NO_PROPOSAL if drafter is None else drafter.propose(k, config, run.generator, run.stop_tokens)
+            proposal = (NO_PROPOSAL if drafter is None
+                        else drafter.propose(k, config, run.generator, run.stop_tokens, run.grammar))
             run.wait_for_drafter()
-            # 3 verify: one target forward over [pending, x_1..x_k]
+            # 3 verify: one target forward over [pending, x_1..x_k] (a grammar masks each row as it masked the drafts)
             t1 = time.perf_counter()
             fed = seq[cache.length :] + proposal.tokens
             target_logits = cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, : run.vocab]
+            if run.grammar is not None:
+                target_logits = apply_mask(target_logits, run.grammar.masks(proposal.tokens))
             if run.sync:
                 _sync(cache.device)
             # 4 accept; with eta > 0 and every draft accepted, p^ at k + 1 needs the drafter's row there
@@ -316,18 +343,21 @@ class Rapid:
             # a schedule asking for 0 drafts asks for a plain step: the token follows p (no drafter forward)
             bonus_row, asked = None, verdict.next_token is None and requested > 0
             if verdict.next_token is None:
-                bonus_row = drafter.bonus_row(config, run.stop_tokens, run.sync) if asked else None
+                bonus_row = drafter.bonus_row(config, run.stop_tokens, run.sync, run.grammar) if asked else None
                 next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, run.params, run.generator)
                 verdict = sampling.Verdict(verdict.accepted, next_token)
             if drafter is not None:
                 run.record_round(len(proposal.tokens), verdict.accepted, proposal, asked, (t0, t1, t2), len(fed))
-            # 5 commit: stop at EOS, a stop string and max_new_tokens, then roll back the caches
+            # 5 commit: stop at EOS, a stop string, a complete grammar and max_new_tokens, then roll back the caches
             emitted, finished = cut_answer(proposal.tokens[: verdict.accepted] + [verdict.next_token], remaining,
                                            run.stop_tokens)
             text, stopped = assembler.add(emitted)
             if stopped:
                 emitted, finished = emitted[: assembler.kept], "stop"  # no tokens after the stop string
-            elif not finished and run.out_of_time():
+            if run.grammar is not None:
+                run.grammar.commit(emitted)
+                finished = finished or ("stop" if run.grammar.finished else None)
+            if not finished and run.out_of_time():
                 finished = "time"
             if finished and not stopped:
                 text += assembler.flush()
@@ -370,6 +400,7 @@ class _Generation:
     sync: bool  # wait for the devices around each step (profiling; the cost schedule needs exact times)
     vocab: int
     out_of_time: Callable[[], bool]
+    grammar: object | None = None  # a rapidspec.grammar.GrammarState when the answer is constrained
     logprobs: list = field(default_factory=list)
 
     def wait_for_drafter(self) -> None:

@@ -4,9 +4,9 @@ In the spirit of transformers' ``CandidateGenerator`` and llama.cpp's
 ``common_speculative``, the :class:`Drafter` protocol hides how drafts are
 made behind the calls the engine's loop makes every round::
 
-    proposal = drafter.propose(k, config, generator, stop_tokens)   # step 2
+    proposal = drafter.propose(k, config, generator, stop_tokens, grammar)   # step 2
     ... the target verifies proposal.tokens (step 3, sampling.verify, step 4)
-    drafter.bonus_row(config, stop_tokens)   # only when verification leaves the bonus token open
+    drafter.bonus_row(config, stop_tokens, sync, grammar)   # only when verification leaves the bonus token open
     drafter.commit(emitted)                  # step 5: roll back to the committed tokens
     drafter.close(keep)                      # after the last round
 
@@ -33,6 +33,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from rapidspec import sampling
+from rapidspec.grammar.matcher import apply_mask
 
 
 @dataclass(frozen=True)
@@ -70,12 +71,18 @@ class Drafter(Protocol):
     @property
     def cache(self): ...
 
-    def propose(self, k: int, config, generator: torch.Generator, stop_tokens: frozenset[int]) -> Proposal:
-        """Up to ``k`` drafted tokens after the committed ones, with their rows (:class:`Proposal`)."""
+    def propose(self, k: int, config, generator: torch.Generator, stop_tokens: frozenset[int],
+                grammar=None) -> Proposal:
+        """Up to ``k`` drafted tokens after the committed ones, with their rows (:class:`Proposal`).
+
+        ``grammar``: a :class:`~rapidspec.grammar.GrammarState` when the answer is constrained: every draft
+        is one it allows after the committed answer and the drafts before it, and the rows are masked by it.
+        """
         ...
 
-    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False) -> torch.Tensor | None:
-        """The row at the position after the last draft ([V]), or None when there is none."""
+    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False,
+                  grammar=None) -> torch.Tensor | None:
+        """The row at the position after the last draft ([V], masked by ``grammar``), or None when there is none."""
         ...
 
     def commit(self, emitted: list[int]) -> None:
@@ -121,14 +128,19 @@ class ModelDrafter:
     def device(self) -> torch.device:
         return self.cache.device
 
-    def _next_logits(self, token_ids: list[int]) -> torch.Tensor:
-        return self.cache.forward(token_ids, 1)[0, : self.vocab_size]  # [V]
+    def _next_logits(self, token_ids: list[int], grammar=None) -> torch.Tensor:
+        logits = self.cache.forward(token_ids, 1)[0, : self.vocab_size]  # [V]
+        if grammar is None:
+            return logits
+        return apply_mask(logits, grammar.mask_after(self._drafts))  # the position after the drafts so far
 
-    def propose(self, k: int, config, generator: torch.Generator, stop_tokens: frozenset[int]) -> Proposal:
+    def propose(self, k: int, config, generator: torch.Generator, stop_tokens: frozenset[int],
+                grammar=None) -> Proposal:
         """Feed the pending tokens, then draft up to ``k`` tokens one by one (the last one is not fed).
 
         Drafting stops early after a token in ``stop_tokens`` (nothing follows
         an EOS) or, with ``config.draft_confidence``, after an unsure draft.
+        With a ``grammar`` each position's logits are masked before the draft is chosen.
         """
         self.bonus_seconds = 0.0
         self._drafts = []
@@ -138,7 +150,7 @@ class ModelDrafter:
         confidence = config.draft_confidence
         rows: list[torch.Tensor] = []  # each [V] on the target's device
         pending = self.sequence[self.cache.length :]
-        logits = self._next_logits(pending)  # [V]
+        logits = self._next_logits(pending, grammar)  # [V]
         forwards = 1
         for position in range(k):
             if keep_rows:
@@ -152,12 +164,13 @@ class ModelDrafter:
             self._drafts.append(token)
             if position == k - 1 or unsure or token in stop_tokens:
                 break
-            logits = self._next_logits([token])
+            logits = self._next_logits([token], grammar)
             forwards += 1
         return Proposal(list(self._drafts), torch.stack(rows) if rows else None, forwards, len(pending))
 
-    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False) -> torch.Tensor | None:
-        """The row at the position after the last draft ([V]), or None after a stopping draft.
+    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False,
+                  grammar=None) -> torch.Tensor | None:
+        """The row at the position after the last draft ([V], masked by ``grammar``), or None after a stopping draft.
 
         Feeding the last draft costs nothing extra when it is accepted: the
         next round would feed it anyway. ``sync``: wait for the device, so
@@ -166,7 +179,7 @@ class ModelDrafter:
         if self._drafts and self._drafts[-1] in stop_tokens:
             return None
         started = time.perf_counter()
-        logits = self._next_logits((self.sequence + self._drafts)[self.cache.length :])
+        logits = self._next_logits((self.sequence + self._drafts)[self.cache.length :], grammar)
         row = draft_row(logits, config, self.target_device)
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -63,11 +63,15 @@ class LookupDrafter:
                 return self.sequence[start : start + k]
         return []
 
-    def propose(self, k: int, config, generator, stop_tokens: frozenset[int]) -> Proposal:
+    def propose(self, k: int, config, generator, stop_tokens: frozenset[int], grammar=None) -> Proposal:
+        """The continuation of the latest match, cut before a token the ``grammar`` (when given) forbids."""
         if k <= 0:
             return NO_PROPOSAL
+        found = self.continuation(k)
+        if grammar is not None:
+            found = found[: grammar.allowed_prefix(found)]
         tokens = []
-        for token in self.continuation(k):
+        for token in found:
             if token >= self.vocab_size:
                 break
             tokens.append(token)
@@ -81,7 +85,7 @@ class LookupDrafter:
             rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return Proposal(tokens, rows, 0)
 
-    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False) -> None:
+    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False, grammar=None) -> None:
         return None  # eta is 0 in mode lookup: p^ = p needs no q
 
     def commit(self, emitted: list[int]) -> None:

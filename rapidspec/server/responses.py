@@ -3,7 +3,9 @@
 Every response and the last stream chunk carry the generation's statistics
 in one extra field, ``rapidspec``: mode, timings, acceptance, mean accepted
 length, prefill reuse, retrieved chunks with their spans and, for
-conversations, the retrieved turns. Log-probabilities take OpenAI's two
+conversations, the retrieved turns. With tools, calls in the answer come back
+as OpenAI ``tool_calls`` (finish reason ``tool_calls``; streamed as one delta
+per call after the content, :mod:`rapidspec.grammar.tools`). Log-probabilities take OpenAI's two
 shapes: chat (``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``)
 and text completions (``tokens``, ``token_logprobs``, ``top_logprobs``,
 ``text_offset``).
@@ -18,6 +20,7 @@ import uuid
 
 from fastapi.responses import JSONResponse
 
+from rapidspec.grammar.tools import ToolTextFilter, parse_tool_calls
 from rapidspec.outputs import GenerationOutput
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "time": "length"}
@@ -26,10 +29,12 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "time": "le
 class Reply:
     """The shape of one request's answer: chat (``chat.completion``) or text (``text_completion``)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False, pieces=None) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, pieces=None, tools: bool = False) -> None:
         """``include_usage``: every stream chunk has ``usage`` (null until the last); ``pieces``
-        (a :class:`~rapidspec.server.tokens.TokenPieces`) when log-probabilities were asked for."""
+        (a :class:`~rapidspec.server.tokens.TokenPieces`) when log-probabilities were asked for;
+        ``tools``: the answer may call tools."""
         self.chat = chat
+        self._tool_text = ToolTextFilter() if tools else None
         self.model = model
         self.include_usage = include_usage
         self.pieces = pieces
@@ -42,33 +47,58 @@ class Reply:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
+    def _calls(self, output: GenerationOutput) -> tuple[str | None, list[dict]]:
+        """The answer's content and tool calls (none unless the request has tools)."""
+        if self._tool_text is None:
+            return output.text, []
+        return parse_tool_calls(output.text)
+
+    def _finish_reason(self, output: GenerationOutput, calls: list) -> str:
+        return "tool_calls" if calls else FINISH_REASONS[output.stats.stop_reason]
+
+    def content_of(self, text: str) -> str:
+        """The part of a streamed piece of answer that is content (a tool call's text is held back)."""
+        return text if self._tool_text is None else self._tool_text.feed(text)
+
     def complete(self, output: GenerationOutput) -> dict:
-        finish_reason = FINISH_REASONS[output.stats.stop_reason]
+        content, calls = self._calls(output)
+        finish_reason = self._finish_reason(output, calls)
         logprobs = self.logprobs(output.logprobs or ())
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-                      "finish_reason": finish_reason, "logprobs": logprobs}
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": output.text, "finish_reason": finish_reason, "logprobs": logprobs}
         return self._body("chat.completion" if self.chat else "text_completion", [choice],
                           usage=usage(output), rapidspec=statistics(output))
 
     def chunk(self, text: str | None = None, role: bool = False, finish_reason: str | None = None,
-              logprobs=(), **extra) -> dict:
+              logprobs=(), tool_calls: list | None = None, **extra) -> dict:
         if self.include_usage:
             extra = {"usage": None, **extra}
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if tool_calls:
+                delta = {"tool_calls": tool_calls}
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
             return self._body("chat.completion.chunk", [choice], **extra)
         choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
         return self._body("text_completion", [choice], **extra)
 
     def last_chunks(self, output: GenerationOutput) -> list[dict]:
-        """The chunk with the finish reason and statistics, then the usage chunk if asked for."""
-        chunks = [self.chunk(finish_reason=FINISH_REASONS[output.stats.stop_reason], rapidspec=statistics(output))]
+        """Held-back content or the tool calls, the chunk with the finish reason and statistics, then the usage
+        chunk if asked for."""
+        content, calls = self._calls(output)
+        chunks = []
+        held = "" if self._tool_text is None else self._tool_text.flush()
+        if held and not calls:
+            chunks.append(self.chunk(text=held))
+        chunks += [self.chunk(tool_calls=[{"index": i, **call}]) for i, call in enumerate(calls)]
+        chunks.append(self.chunk(finish_reason=self._finish_reason(output, calls), rapidspec=statistics(output)))
         if self.include_usage:
-            chunks.append(self._body(chunks[0]["object"], [], usage=usage(output)))
+            chunks.append(self._body(chunks[-1]["object"], [], usage=usage(output)))
         return chunks
 
     def logprobs(self, entries) -> dict | None:

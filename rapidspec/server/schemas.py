@@ -6,8 +6,11 @@ options are extra top-level fields with the CLI's names (``mode``, ``eta``,
 ``gamma``, ``draft_confidence``, ``top_k``, ``ignore_eos``, ``retrieval``,
 ``budget_tokens``, ...), which the ``openai`` client sends with
 ``extra_body``. A field left out or sent as ``null`` takes the server's default (the options
-``rapidspec serve`` was started with). OpenAI fields rapidspec does not
-implement (:data:`UNSUPPORTED`: tools, ``n > 1``...) are refused with a 400
+``rapidspec serve`` was started with). ``response_format`` (``json_object``,
+``json_schema``) becomes the config's grammar; chat's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` a
+:class:`~rapidspec.grammar.tools.ToolChoice`. OpenAI fields rapidspec does not
+implement (:data:`UNSUPPORTED`: ``functions``, ``n > 1``...) are refused with a 400
 naming the field; fields nobody defines are ignored with a warning in the
 server's log (as vLLM does), so vendor extras do not break clients.
 """
@@ -22,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rapidspec.config import MAX_ETA, MAX_TEMPERATURE, DecodeConfig
 from rapidspec.errors import RapidspecError
+from rapidspec.grammar import Grammar
+from rapidspec.grammar.tools import ToolChoice
 from rapidspec.retrieval import METHODS, RetrievalConfig
 
 # What a request may set directly (the server's own limits, max_model_len and time_limit_s, are not among them).
@@ -29,9 +34,8 @@ _DECODE_FIELDS = {f.name for f in fields(DecodeConfig)} - {"max_model_len", "tim
 
 #: OpenAI fields rapidspec does not implement, and when a value asks for them (a 400 naming the field).
 UNSUPPORTED = {
-    "tools": lambda v: v is not None, "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: v is not None, "function_call": lambda v: v not in (None, "none"),
-    "logit_bias": lambda v: bool(v), "response_format": lambda v: v is not None and v.get("type") != "text",
+    "logit_bias": lambda v: bool(v),
     "n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1), "echo": lambda v: bool(v),
     "suffix": lambda v: bool(v), "audio": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]), "prediction": lambda v: v is not None,
@@ -130,13 +134,11 @@ class GenerationRequest(RequestBody):
     store: bool | None = None
     frequency_penalty: float | None = Field(default=None, ge=0, le=0)
     presence_penalty: float | None = Field(default=None, ge=0, le=0)
+    response_format: dict[str, Any] | None = None
     # OpenAI fields refused when used (UNSUPPORTED)
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     logit_bias: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -186,6 +188,8 @@ class GenerationRequest(RequestBody):
         if "mode" in changes and changes["mode"] != "rapid" and "eta" not in changes:
             changes["eta"] = None  # the server's default eta belongs to rapid
         changes["logprobs"] = self.logprobs_count()
+        if self.response_format is not None:
+            changes["grammar"] = Grammar.of(self.response_format)  # a 400 naming response_format when it is bad
         try:
             return base.with_(**changes)
         except RapidspecError as err:
@@ -209,6 +213,13 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[Any]
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_choice_of(self) -> ToolChoice | None:
+        """The request's tools (None without), validated (a 400 naming the field)."""
+        return ToolChoice.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -221,6 +232,13 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = None
     suffix: str | None = None
+
+    def tool_choice_of(self) -> None:
+        """Text completions have no tools (OpenAI's neither): sending them is a 400."""
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if (self.model_extra or {}).get(name) is not None:
+                raise RapidspecError(f"{name} belongs to /v1/chat/completions", param=name, code="unsupported_field")
+        return None
 
     def logprobs_count(self) -> int | None:
         return self.logprobs

@@ -50,7 +50,8 @@ class GenerationServing:
         state.check_model(body.model)
         if body.unknown_fields:
             logger.warning("ignored request fields no schema defines: %s", body.unknown_fields_note())
-        decode = body.decode_config(config.decode)
+        tools = body.tool_choice_of()
+        decode = state.engine.with_tool_grammar(body.decode_config(config.decode), tools)
         retrieval = body.retrieval_config(config.retrieval or state.engine.retriever.config)
         messages = parse_messages(messages)
         documents = parse_documents(body.documents)
@@ -63,7 +64,7 @@ class GenerationServing:
             state.tokens.check_fits(messages, documents, decode.truncate, state.window, body.query)
             return state.engine.chat_prompts(messages, decode, documents=documents, query=body.query,
                                              recent_messages=recent, raw=not chat,
-                                             retriever=state.retriever_for(retrieval))
+                                             retriever=state.retriever_for(retrieval), tools=tools)
 
         job = state.worker.admit()  # 429 when the line is full; preparing requests count
         try:
@@ -94,7 +95,8 @@ class GenerationServing:
 
         state.worker.run(job, work)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        reply = Reply(chat, config.model_name, include_usage, state.pieces if decode.logprobs is not None else None)
+        reply = Reply(chat, config.model_name, include_usage, state.pieces if decode.logprobs is not None else None,
+                      tools=tools is not None and tools.calls_expected)
         try:
             kind, payload = await self._next_event(job, request)  # "ready" once the job has a slot
         except _Cancelled:
@@ -170,8 +172,9 @@ class GenerationServing:
                 if first and (payload.text or payload.token_ids):
                     self._observe_first_token(arrived)
                     first = False
-                if payload.text or (payload.logprobs and reply.pieces):
-                    yield sse(reply.chunk(text=payload.text, logprobs=payload.logprobs))
+                text = reply.content_of(payload.text)  # a tool call's text is not content
+                if text or (payload.logprobs and reply.pieces):
+                    yield sse(reply.chunk(text=text, logprobs=payload.logprobs))
                 if payload.output is not None:
                     self._record_finish(job, payload.output, arrived)
                     finished = True

@@ -1,0 +1,127 @@
+"""Structured output: grammars from OpenAI's shapes, the per-generation state, and every mode under a grammar."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from pydantic import BaseModel
+
+from rapidspec import DecodeConfig
+from rapidspec.errors import RapidspecError
+from rapidspec.grammar import Grammar, GrammarTokens
+from tests.test_engine import DOCUMENT, QUESTION, engine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"tag": {"enum": ["alpha", "beta"]}, "ok": {"type": "boolean"},
+                   "note": {"type": "string", "maxLength": 6}},
+    "required": ["tag", "ok", "note"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_grammars_from_openai_shapes_and_pydantic():
+    assert Grammar.of(None) is None and Grammar.of({"type": "text"}) is None
+    assert Grammar.of({"type": "json_object"}).kind == "json_object"
+    record = Grammar.of(RESPONSE_FORMAT)
+    assert record.kind == "json_schema" and record.name == "record" and record.schema == SCHEMA
+    person = Grammar.of(Person)
+    assert person.name == "Person" and list(person.schema["properties"]) == ["name", "age"]  # order kept
+    assert DecodeConfig(grammar=RESPONSE_FORMAT).grammar == record  # the config takes the dict too
+    assert hash(DecodeConfig(grammar=record)) == hash(DecodeConfig(grammar=RESPONSE_FORMAT))
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"type": "xml"}, "json_schema"),
+    ({"type": "json_schema"}, "json_schema needs"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}, "invalid json schema"),
+    ("json", "must be an object"),
+])
+def test_bad_response_formats_are_one_line_errors(value, words):
+    with pytest.raises(RapidspecError, match=words) as caught:
+        Grammar.of(value)
+    assert caught.value.param and caught.value.param.startswith("response_format")
+
+
+def test_bad_lark_and_regex_are_one_line_errors():
+    with pytest.raises(RapidspecError, match="invalid lark"):
+        Grammar.lark("start: (")
+    with pytest.raises(RapidspecError, match="invalid regex"):
+        Grammar.regex("[a-")
+
+
+@pytest.fixture(scope="module")
+def grammar_tokens(byte_tokenizer):
+    return GrammarTokens(byte_tokenizer, len(byte_tokenizer), frozenset({byte_tokenizer.eos_token_id}))
+
+
+def test_masks_follow_paths_and_rejected_drafts_leave_no_trace(grammar_tokens, byte_tokenizer):
+    state = grammar_tokens.start(Grammar.json_schema(SCHEMA))
+    allowed = state.mask_after([]).nonzero().flatten().tolist()
+    assert byte_tokenizer.convert_ids_to_tokens(allowed) == ["{"]
+    good = byte_tokenizer.encode('{"tag": "beta"')
+    assert state.allowed_prefix(good) == len(good)
+    assert state.allowed_prefix(byte_tokenizer.encode('{"tog"')) == 3  # '{"t' is allowed, 'o' is not
+    fresh = grammar_tokens.start(Grammar.json_schema(SCHEMA))
+    state.commit(good[:2])  # drafts explored past it were rolled back
+    fresh.commit(good[:2])
+    assert torch.equal(state.mask_after([]), fresh.mask_after([]))
+    masks = state.masks(good[2:5])  # rows 0..k as the target's
+    assert masks.shape == (4, len(byte_tokenizer)) and all(masks[i, t] for i, t in enumerate(good[2:5]))
+
+
+def test_a_complete_answer_finishes_the_grammar(grammar_tokens, byte_tokenizer):
+    state = grammar_tokens.start(Grammar.json_schema(SCHEMA))
+    state.commit(byte_tokenizer.encode('{"tag": "alpha", "ok": true, "note": "x"}'))
+    assert state.finished
+    assert state.mask_after([]).nonzero().flatten().tolist() == [byte_tokenizer.eos_token_id]
+
+
+@pytest.fixture(scope="module")
+def lc_record(tiny_model):
+    return engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=60, grammar=RESPONSE_FORMAT)
+
+
+def test_lc_under_a_grammar_answers_valid_json(lc_record):
+    jsonschema.validate(json.loads(lc_record.text), SCHEMA)
+    assert lc_record.stats.stop_reason == "stop"  # ended by the grammar, not the length
+
+
+@pytest.mark.parametrize("mode", ["sd", "ragsd", "rapid", "magicdec", "lookup", "rag"])
+@pytest.mark.parametrize("drafter_kind", ["self", "random"])
+def test_greedy_eta_zero_under_a_grammar_equals_lc_under_it(tiny_model, other_tiny_model, lc_record, mode,
+                                                           drafter_kind):
+    """Every mode keeps the grammar; eta = 0 greedy equals lc under the same grammar token for token (float32).
+
+    (rag reads other text, so only its validity is checked.)"""
+    drafter = None if drafter_kind == "self" else other_tiny_model
+    out = engine(tiny_model, drafter).generate(DOCUMENT, QUESTION, mode=mode, eta=0.0, gamma=4, max_new_tokens=60,
+                                               gamma_schedule="constant", grammar=RESPONSE_FORMAT)
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+    if mode != "rag":
+        assert out.token_ids == lc_record.token_ids
+
+
+@pytest.mark.parametrize("temperature, eta", [(0.0, 5.0), (1.0, 0.0), (1.0, 3.0)])
+def test_rapid_sampling_and_eta_keep_the_grammar(tiny_model, other_tiny_model, temperature, eta):
+    """The shift toward the drafter acts only among allowed tokens: 10 answers, all valid."""
+    rapid = engine(tiny_model, other_tiny_model)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", eta=eta, temperature=temperature, max_new_tokens=60,
+                             grammar=RESPONSE_FORMAT, generator=generator)
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_a_grammar_cut_by_max_tokens_says_length(tiny_model):
+    out = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=5, grammar=RESPONSE_FORMAT)
+    assert out.stats.stop_reason == "length" and out.text.startswith('{"')
