@@ -114,6 +114,9 @@ def parse_messages(raw) -> tuple[Message, ...]:
         call_id = item.get("tool_call_id")
         if call_id is not None and not isinstance(call_id, str):
             raise RapidspecError(f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
+        if role == "tool" and not (messages and (messages[-1].tool_calls or messages[-1].role == "tool")):
+            raise RapidspecError(f"{where}: a tool message answers the tool_calls of the assistant message before "
+                                 "it", param=f"{where}.role")
         messages.append(Message(role, _text_content(content, f"{where}.content"),
                                 json.dumps(calls) if calls else None, call_id if role == "tool" else None))
     if messages[-1].role not in ("user", "tool"):

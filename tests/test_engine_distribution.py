@@ -19,6 +19,7 @@ from transformers import GenerationConfig, LlamaConfig
 
 from rapidspec import DecodeConfig, Rapid
 from rapidspec.drafting.gamma_schedule import CostSchedule, StepCosts
+from rapidspec.grammar import Grammar
 from rapidspec.models import LoadedModel
 from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
@@ -306,3 +307,47 @@ def test_greedy_bonus_token_uses_the_drafter_at_the_bonus_position(byte_tokenize
     )
     assert out.text == expected
     assert out.stats.rounds == 1 and out.stats.accepted_tokens == 2
+
+
+# Allowed states per position under GRAMMAR (w x y z = states 0 1 2 3); every token after the third is free.
+GRAMMAR_ALLOWED = [[0, 1, 2], [1, 3], [0, 2, 3]]
+GRAMMAR = Grammar.regex("[wxy][xz][wyz][wxyz]*")
+
+
+def expected_joint_under_grammar(eta: float, alpha: float) -> np.ndarray:
+    """As :func:`expected_joint` for 3 tokens, with p and q restricted to the allowed states and renormalised."""
+    start_p, start_q = np.array(TARGET_START), np.array(DRAFT_START)
+    rows_p, rows_q = np.array(TARGET_ROWS), np.array(DRAFT_ROWS)
+    joint = np.zeros((4, 4, 4))
+    for path in itertools.product(range(4), repeat=3):
+        prob, p, q = 1.0, start_p, start_q
+        for position, state in enumerate(path):
+            keep = np.isin(np.arange(4), GRAMMAR_ALLOWED[position])
+            pk, qk = np.where(keep, p, 0.0), np.where(keep, q, 0.0)
+            with np.errstate(divide="ignore"):
+                prob *= augmented_numpy(pk / pk.sum(), qk / qk.sum(), eta, alpha)[state]
+            p, q = rows_p[state], rows_q[state]
+        joint[path] = prob
+    return joint
+
+
+@pytest.mark.parametrize(("mode", "eta"), [("ragsd", 0.0), ("rapid", 3.0), ("lookup", 0.0)])
+def test_sampled_sequences_under_a_grammar_follow_the_constrained_target(markov_pair, mode, eta):
+    """A grammar masks p, q and p^ alike: eta = 0 follows p restricted to the allowed tokens, eta > 0 the p^ of the
+    restricted p and q (the shift acts among allowed tokens only). 3000 answers of 3 tokens drafted 2 at a time;
+    chi-square over the 64 outcomes (those the grammar forbids expected 0, so any one fails the test). With a correct
+    engine each case fails with probability 1e-4."""
+    target, drafter, states = markov_pair
+    rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)
+    generator = torch.Generator().manual_seed(13)
+    n = 3000
+    index = {s: i for i, s in enumerate(states)}
+    counts = np.zeros((4, 4, 4))
+    for _ in range(n):
+        out = rapid.generate(DOCUMENT, QUESTION, mode=mode, eta=eta, gamma=2, gamma_schedule="constant",
+                             temperature=1.0, max_new_tokens=3, grammar=GRAMMAR, generator=generator)
+        counts[tuple(index[t] for t in out.token_ids)] += 1
+    expected = expected_joint_under_grammar(eta, 0.1).ravel() * n
+    allowed = expected > 0
+    assert counts.ravel()[~allowed].sum() == 0
+    assert chisquare(counts.ravel()[allowed], expected[allowed] * (n / expected.sum())).pvalue > 1e-4

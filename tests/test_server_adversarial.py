@@ -171,7 +171,7 @@ def test_hostile_token_routes(api, server, path, body):
 
 
 # ------------------------------------------------------------ the policy for fields (target behaviour)
-@pytest.mark.parametrize("extra", [{"foo": 1}, {"service_tier": "auto"}, {"parallel_tool_calls": False},
+@pytest.mark.parametrize("extra", [{"foo": 1}, {"service_tier": "auto"}, {"reasoning_effort": "low"},
                                    {"reasoning_effort": "low"}], ids=lambda extra: next(iter(extra)))
 def test_fields_nobody_defines_are_ignored_with_a_warning(server, caplog, extra):
     with caplog.at_level(logging.WARNING, logger="rapidspec"):
@@ -186,9 +186,14 @@ def test_unknown_stream_options_are_ignored(server):
     assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
 
 
-UNSUPPORTED = [("tools", []), ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-               ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
-               ("logit_bias", {"50256": -100}), ("response_format", {"type": "json_object"}), ("n", 2)]
+UNSUPPORTED = [("functions", [{"name": "f"}]), ("function_call", "auto"), ("logit_bias", {"50256": -100}), ("n", 2)]
+#: Tool fields the tiny model (no chat template) cannot honour, each a 400 naming it.
+TOOLS_REFUSED = [("tools", [], "non-empty list"),
+                 ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "has no tools"),
+                 ("tools", [{"type": "function", "function": {"name": "f f"}}], "function.name"),
+                 ("tool_choice", "required", "needs tools"),
+                 ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}, "invalid json"),
+                 ("response_format", {"type": "yaml"}, "type must be")]
 
 
 @pytest.mark.parametrize("field, value", UNSUPPORTED, ids=[f"{f}={json.dumps(v)[:20]}" for f, v in UNSUPPORTED])
@@ -199,8 +204,17 @@ def test_openai_fields_rapidspec_does_not_implement_are_a_400_naming_them(server
     assert error["param"] == field and "not supported" in error["message"], error
 
 
+@pytest.mark.parametrize("field, value, words", TOOLS_REFUSED, ids=[f"{f}-{w}" for f, _, w in TOOLS_REFUSED])
+@pytest.mark.parametrize("stream", [False, True])
+def test_tools_and_formats_the_server_cannot_honour_are_a_400_naming_them(server, field, value, words, stream):
+    response, error = post(server, body=GOOD | {field: value, "stream": stream})
+    assert response.status_code == 400, response.text[:500]
+    assert error["param"].startswith(field) and words in error["message"], error
+
+
 @pytest.mark.parametrize("body", [{"response_format": {"type": "text"}}, {"n": 1}, {"tool_choice": None},
-                                  {"logit_bias": None}, {"tools": None}, {"functions": None}])
+                                  {"logit_bias": None}, {"tools": None}, {"functions": None},
+                                  {"response_format": {"type": "json_object"}}, {"tool_choice": "none"}])
 def test_harmless_values_of_those_fields_pass(server, body):
     assert post(server, body=GOOD | body)[0].status_code == 200
 

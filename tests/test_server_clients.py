@@ -7,8 +7,11 @@ code path that counts tokens client-side would show up as an error here.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
@@ -92,12 +95,30 @@ def test_rapid_options_pass_through_extra_body(server):
     assert message.usage_metadata["output_tokens"] == 6
 
 
-def test_bind_tools_gets_the_servers_clear_400(llm):
+def test_bind_tools_on_a_template_without_tools_gets_the_servers_clear_400(llm):
     with pytest.raises(openai.BadRequestError) as err:
         llm.bind_tools([add]).invoke("What is 2 + 3?")
     assert err.value.status_code == 400
-    assert "tools" in str(err.value) and "not supported" in str(err.value)
+    assert "chat template has no tools" in str(err.value)
     assert err.value.body["param"] == "tools"
+
+
+class Reading(BaseModel):
+    """A garden reading."""
+
+    flower: Literal["tulip", "rose"]
+    count: int = Field(ge=0, le=999)
+    sunny: bool
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_structured_output_parses_into_the_model(server, stream):
+    """LangChain's json_schema method sends response_format; the tiny model's answer is valid under it (about 50
+    one-byte tokens)."""
+    llm = langchain_openai.ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model="tiny", max_tokens=100,
+                                      temperature=0, max_retries=0, timeout=60, streaming=stream)
+    reading = llm.with_structured_output(Reading, method="json_schema", strict=True).invoke(QUESTION)
+    assert isinstance(reading, Reading)
 
 
 def test_a_wrong_model_name_is_a_not_found_error(server):

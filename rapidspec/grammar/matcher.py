@@ -46,9 +46,10 @@ class GrammarTokens:
             if self._lltokenizer is None:
                 from llguidance.hf import from_tokenizer
 
+                eos = sorted(t for t in self.eos_ids if 0 <= t < self.vocab_size)
                 try:
                     self._lltokenizer = from_tokenizer(self.tokenizer, n_vocab=max(self.vocab_size, len(self.tokenizer)),
-                                                       eos_token=sorted(self.eos_ids) or None)
+                                                       eos_token=eos or None)
                 except ValueError as exc:  # a slow (Python) tokenizer
                     raise RapidspecError(f"structured output needs a fast tokenizer: {exc}") from None
             return self._lltokenizer

@@ -54,7 +54,9 @@ class Reply:
         return parse_tool_calls(output.text)
 
     def _finish_reason(self, output: GenerationOutput, calls: list) -> str:
-        return "tool_calls" if calls else FINISH_REASONS[output.stats.stop_reason]
+        """``tool_calls`` when the answer ended with calls; ``length`` when it was cut (its whole calls kept)."""
+        reason = FINISH_REASONS[output.stats.stop_reason]
+        return "tool_calls" if calls and reason == "stop" else reason
 
     def content_of(self, text: str) -> str:
         """The part of a streamed piece of answer that is content (a tool call's text is held back)."""
