@@ -31,6 +31,7 @@ def document(tmp_path):
         (["--mode", "sd", "--eta", "3"], "eta"),
         (["--mode", "magicdec", "--streaming-tokens", "8"], "streaming_tokens"),
         (["--target", "/nonexistent/model-dir"], "model"),
+        (["--json-schema", "/nonexistent/schema.json"], "cannot read the JSON schema"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(document, capsys, extra, message):
@@ -64,6 +65,38 @@ def test_generate_json_end_to_end(document, capsys):
     assert result["mode"] == "rapid" and result["text"]
     assert result["stats"]["new_tokens"] >= 1 and result["stats"]["rounds"] >= 1
     assert result["retrieval"]["chunks"]
+
+
+CAT_SCHEMA = {"type": "object", "properties": {"cat": {"type": "string", "maxLength": 24}}, "required": ["cat"],
+              "additionalProperties": False}
+
+
+def test_generate_with_a_json_schema_file(document, tiny_model_dir, tmp_path, capsys):
+    schema = tmp_path / "cat.json"
+    schema.write_text(json.dumps(CAT_SCHEMA), encoding="utf-8")
+    code = main(["generate", "--document", str(document), "--question", "Cat?", "--target", str(tiny_model_dir),
+                 "--retrieval", "bm25", "--json-schema", str(schema), "--max-new-tokens", "60", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and set(json.loads(result["text"])) == {"cat"}
+
+
+def test_a_bad_json_schema_file_is_one_line(document, tiny_model_dir, tmp_path, capsys):
+    schema = tmp_path / "bad.json"
+    schema.write_text('{"type": "nonsense"}', encoding="utf-8")
+    code = main(["generate", "--document", str(document), "--question", "Cat?", "--target", str(tiny_model_dir),
+                 "--json-schema", str(schema)])
+    assert code == 2 and "invalid json schema" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_generate_json_schema_on_the_builtin_model(document, tmp_path, capsys):
+    """The built-in model fills a schema from the document, drafts and verification constrained alike."""
+    schema = tmp_path / "cat.json"
+    schema.write_text(json.dumps(CAT_SCHEMA), encoding="utf-8")
+    code = main(["generate", "--document", str(document), "--question", "What is the cat called? Answer in JSON.",
+                 "--retrieval", "bm25", "--json-schema", str(schema), "--max-new-tokens", "40", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and "Biscuit" in json.loads(result["text"])["cat"]
 
 
 @pytest.mark.slow

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import fields
+from pathlib import Path
 
 from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
 from rapidspec.models.backend import DRAFTER_BACKENDS, DRAFTER_PREFILLS
 from rapidspec.errors import RapidspecError
+from rapidspec.grammar import Grammar
 from rapidspec.models import RUNTIMES
 from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.retrieval import METHODS, RetrievalConfig
@@ -75,6 +77,10 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
     group.add_argument("--streaming-tokens", type=int, default=_DEFAULT_DECODE.streaming_tokens,
                        help="magicdec: prompt tokens the drafter reads, sinks + the most recent (default: %(default)s)")
     group.add_argument("--truncate", default=_DEFAULT_DECODE.truncate, choices=["middle", "error"], help="what to do with a document longer than the window")
+    shape = group.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", default=None,
+                       help="the answer is JSON valid under the JSON schema in FILE (drafts and verification constrained)")
+    shape.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
 
 
 def add_retrieval_options(parser: argparse.ArgumentParser) -> None:
@@ -95,8 +101,23 @@ def decode_config(args: argparse.Namespace, **overrides) -> DecodeConfig:
     """The DecodeConfig described by parsed options (field names match)."""
     values = {f.name: getattr(args, f.name) for f in fields(DecodeConfig) if hasattr(args, f.name)}
     values["stop"] = tuple(values.get("stop") or ())
+    values["grammar"] = _grammar(args)
     values.update(overrides)
     return DecodeConfig(**values)
+
+
+def _grammar(args: argparse.Namespace):
+    """The grammar of ``--json-schema FILE`` or ``--json-object`` (None without them)."""
+    if getattr(args, "json_object", False):
+        return Grammar.json_object()
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RapidspecError(f"cannot read the JSON schema {path}: {exc}") from None
+    return Grammar.json_schema(text, Path(path).stem)
 
 
 def retrieval_config(args: argparse.Namespace) -> RetrievalConfig:
