@@ -29,4 +29,6 @@ demo: $(STAMP)
 	$(VENV)/bin/rapidspec demo
 
 test: $(STAMP)
+	# Qwen2.5-Coder 0.5B (a chat template with tools) for the structured-output and tool-call tests; kept once installed.
+	$(VENV)/bin/rapidspec models install qwen2.5-coder-0.5b
 	$(PY) -m pytest -q -ra

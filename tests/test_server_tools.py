@@ -191,6 +191,9 @@ def test_calls_are_parsed_and_broken_blocks_stay_text():
     assert content == "Let me add." and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     assert parse_tool_calls("<tool_call>\n{\"name\": \"add\", \"argu")[1] == []  # cut by max_tokens
     assert parse_tool_calls("no calls") == ("no calls", [])
+    bare = '```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```'  # small models drop the tags
+    assert parse_tool_calls(bare, ["add"])[1][0]["function"]["name"] == "add"
+    assert parse_tool_calls(bare, ["other"]) == (bare, []) and parse_tool_calls(bare) == (bare, [])
 
 
 def test_the_stream_filter_holds_back_what_may_start_a_call():
@@ -201,4 +204,8 @@ def test_the_stream_filter_holds_back_what_may_start_a_call():
     other = ToolTextFilter()
     assert other.feed("a <to") == "a " and other.feed("y>") == "<toy>" and other.flush() == ""
     assert ToolTextFilter().feed("x <") == "x " and ToolTextFilter().flush() == ""
+    bare = ToolTextFilter()  # an answer opening like a bare call is held to the end
+    assert bare.feed(" {\"name\"") == "" and bare.feed(": 1}") == "" and bare.flush() == ' {"name": 1}'
+    late = ToolTextFilter()
+    assert late.feed("Sure") == "Sure" and late.feed(" {x}") == " {x}"
 

@@ -30,6 +30,7 @@ from rapidspec.grammar.spec import JSON_OPTIONS, Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")  # a Markdown code fence around a bare call
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 
@@ -160,32 +161,44 @@ class TemplateWithTools:
         return self._tokenizer.apply_chat_template(messages, tools=self._tools, **kwargs)
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, names: list[str] | None = None) -> tuple[str | None, list[dict]]:
     """The answer's content before its first call (None when empty) and its calls as OpenAI ``tool_calls``.
 
-    A block that is not JSON with a ``name`` and object ``arguments`` stays text
-    (an answer cut by ``max_tokens`` mid-call is text, as the model wrote it).
+    Calls are ``<tool_call>`` blocks; with ``names`` (the request's functions), an answer that is nothing but
+    one call's JSON (small models drop the tags) is a call too. A block that is not JSON with a ``name`` and
+    object ``arguments`` stays text (an answer cut by ``max_tokens`` mid-call is text, as the model wrote it).
     """
     calls, first = [], None
     for match in _CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = _object_or_none(arguments)
-        if not isinstance(arguments, dict):
-            continue
-        first = match.start() if first is None else first
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        call = _call_of(match.group(1))
+        if call is not None:
+            first = match.start() if first is None else first
+            calls.append(call)
+    if not calls and names:
+        bare = _call_of(_FENCE.sub("", text.strip()))
+        if bare is not None and bare["function"]["name"] in names:
+            return None, [bare]
     if not calls:
         return text, []
     content = text[:first].strip()
     return content or None, calls
+
+
+def _call_of(text: str) -> dict | None:
+    """An OpenAI tool call from ``{"name": ..., "arguments": {...}}`` text, None when it is not one."""
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = _object_or_none(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 def _object_or_none(text: str):
@@ -196,10 +209,12 @@ def _object_or_none(text: str):
 
 
 class ToolTextFilter:
-    """Streams an answer's text until a tool call starts; holds back what may be the start of ``<tool_call>``."""
+    """Streams an answer's text until a tool call starts; holds back what may be the start of ``<tool_call>``, and
+    a whole answer that opens like a bare call (``{`` or a code fence), until the end tells which it was."""
 
     def __init__(self) -> None:
         self._held = ""
+        self._started = False  # some content was streamed: the answer is not a bare call
         self.calling = False
 
     def feed(self, text: str) -> str:
@@ -211,8 +226,13 @@ class ToolTextFilter:
         if at >= 0:
             self.calling, self._held = True, ""
             return text[:at].rstrip()
+        opening = text.lstrip()
+        if not self._started and (not opening or opening[0] in "{`"):
+            self._held = text  # maybe a bare call: wait for the end
+            return ""
         keep = next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
         self._held = text[len(text) - keep :]
+        self._started = self._started or keep < len(text)
         return text[: len(text) - keep]
 
     def flush(self) -> str:

@@ -29,11 +29,13 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "time": "le
 class Reply:
     """The shape of one request's answer: chat (``chat.completion``) or text (``text_completion``)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False, pieces=None, tools: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, pieces=None,
+                 tools: list[str] | None = None) -> None:
         """``include_usage``: every stream chunk has ``usage`` (null until the last); ``pieces``
         (a :class:`~rapidspec.server.tokens.TokenPieces`) when log-probabilities were asked for;
-        ``tools``: the answer may call tools."""
+        ``tools``: the names of the functions the answer may call."""
         self.chat = chat
+        self._tool_names = tools
         self._tool_text = ToolTextFilter() if tools else None
         self.model = model
         self.include_usage = include_usage
@@ -51,7 +53,7 @@ class Reply:
         """The answer's content and tool calls (none unless the request has tools)."""
         if self._tool_text is None:
             return output.text, []
-        return parse_tool_calls(output.text)
+        return parse_tool_calls(output.text, self._tool_names)
 
     def _finish_reason(self, output: GenerationOutput, calls: list) -> str:
         """``tool_calls`` when the answer ended with calls; ``length`` when it was cut (its whole calls kept)."""

@@ -96,7 +96,7 @@ class GenerationServing:
         state.worker.run(job, work)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         reply = Reply(chat, config.model_name, include_usage, state.pieces if decode.logprobs is not None else None,
-                      tools=tools is not None and tools.calls_expected)
+                      tools=tools.names if tools is not None and tools.calls_expected else None)
         try:
             kind, payload = await self._next_event(job, request)  # "ready" once the job has a slot
         except _Cancelled:
