@@ -12,7 +12,9 @@ each generation's drafter comes from :mod:`rapidspec.drafting.factory` (the mode
     4 accept    sampling.verify: accepted prefix, then the recovered or bonus token
     5 commit    both caches roll back to the committed tokens (minus the pending last one)
 
-Modes ``lc`` and ``rag`` have no drafter: every round is a plain step. Caches come from
+A grammar (``config.grammar``, :mod:`rapidspec.grammar`) masks the drafter's logits in 2 and the
+target's rows in 3 alike, and follows the committed tokens in 5; the per-round state is
+:class:`~rapidspec.drafting.rounds.Rounds`. Modes ``lc`` and ``rag`` have no drafter: every round is a plain step. Caches come from
 :mod:`rapidspec.runtime` (the KV-cache protocol of :mod:`rapidspec.runtime.protocol`).
 """
 
@@ -22,7 +24,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,28 +34,23 @@ from rapidspec.drafting import NO_PROPOSAL
 from rapidspec.drafting.eta_default import EtaWarnings, resolve_eta
 from rapidspec.drafting.factory import DrafterFactory, drop_started
 from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
+from rapidspec.drafting.rounds import Rounds, sync as device_sync
 from rapidspec.errors import RapidspecError
 from rapidspec.grammar import GrammarTokens, apply_mask
-from rapidspec.grammar.tools import TemplateWithTools, ToolChoice, check_template
-from rapidspec.logprobs import round_logprobs
+from rapidspec.grammar.tools import ToolChoice, template_tokenizer, with_tool_grammar
 from rapidspec.models.vocabulary import eos_token_ids
 from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
 from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts, with_streaming_drafter
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB, GIB, PrefixCache
-from rapidspec.stats import GenerationStats, RoundRecord
+from rapidspec.stats import GenerationStats
 from rapidspec.text_stream import TextAssembler, cut_answer
 
 logger = logging.getLogger(__name__)
 
 # Reuse a stored target cache only when it saves at least this many tokens.
 MIN_REUSED_PREFIX_TOKENS = 64
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Rapid:
@@ -163,7 +159,7 @@ class Rapid:
         :class:`~rapidspec.grammar.tools.ToolChoice` (the calls come back as
         text, :func:`~rapidspec.grammar.tools.parse_tool_calls` reads them).
         """
-        config = self.with_tool_grammar(DecodeConfig.from_options(config, options), tools)
+        config = with_tool_grammar(DecodeConfig.from_options(config, options), tools, self.tokenizer)
         prompts = self.chat_prompts(messages, config, documents=documents, query=query, recent_messages=recent_messages,
                                     retriever=retriever, tools=tools)
         yield from self.decode(prompts, config, generator=generator, profile=profile, observer=observer,
@@ -185,12 +181,8 @@ class Rapid:
         """The prompts of a conversation; ``raw`` skips the chat template, ``retriever`` replaces the engine's,
         ``tools`` go into the chat template (RapidspecError when the model's template has none)."""
         target_window, drafter_window = self._windows(config)
-        tokenizer = self.tokenizer
-        if tools is not None and tools.calls_expected:
-            check_template(tokenizer)
-            tokenizer = TemplateWithTools(tokenizer, tools.tools)
         pair = chat_prompts(
-            tokenizer, retriever or self.retriever, parse_messages(messages), parse_documents(documents), mode=config.mode,
+            template_tokenizer(self.tokenizer, tools), retriever or self.retriever, parse_messages(messages), parse_documents(documents), mode=config.mode,
             target_window=target_window, drafter_window=drafter_window, truncate=config.truncate, query=query,
             recent_messages=recent_messages, raw=raw,
         )
@@ -245,7 +237,7 @@ class Rapid:
                     raise RapidspecError(f"the prefill of {len(target_seq)} prompt tokens did not finish within "
                                          f"time_limit_s={config.time_limit_s:g}", code="time_limit_exceeded") from None
                 raise
-            _sync(target_device)
+            device_sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
             started = time.perf_counter()
             drafter = self.drafting.started(beside, prompts, config, stats, target_device)
@@ -257,7 +249,7 @@ class Rapid:
             try:
                 vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits, same tokens
                 sync = profile or (config.resolved_gamma_schedule == "cost" and drafter is not None)  # cost: exact times
-                run = _Generation(config, sampling.SamplingParams.of(config), stats, generator, target_cache,
+                run = Rounds(config, sampling.SamplingParams.of(config), stats, generator, target_cache,
                                   target_seq, drafter, schedule or new_schedule(config),
                                   frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time,
                                   grammar)
@@ -271,16 +263,6 @@ class Rapid:
                     drafter.close(keep=consistent)
                 if use_store and consistent:
                     self.prefix_cache.store(target_cache)  # the cache is the store's from now on
-
-    def with_tool_grammar(self, config: DecodeConfig, tools: ToolChoice | None) -> DecodeConfig:
-        """``config`` constrained to tool calls when ``tools`` requires them (``required`` or a named function)."""
-        grammar = None if tools is None else tools.grammar(self.tokenizer)
-        if grammar is None:
-            return config
-        if config.grammar is not None:
-            raise RapidspecError(f"tool_choice {tools.choice!r} constrains the answer to tool calls: it cannot be "
-                                 "combined with response_format", param="tool_choice")
-        return config.with_(grammar=grammar)
 
     def clear_document_cache(self) -> None:
         """Forget every stored target cache and the drafters' kept caches (the next prefills start from scratch)."""
@@ -314,7 +296,7 @@ class Rapid:
                 yield tick
         return cache
 
-    def _decode(self, run: _Generation, prompts: PromptPair, observer) -> Iterator[StreamChunk]:
+    def _decode(self, run: Rounds, prompts: PromptPair, observer) -> Iterator[StreamChunk]:
         """Steps 2-5 until the answer ends, then the final chunk with the output."""
         config, stats, drafter, cache, seq = run.config, run.stats, run.drafter, run.target_cache, run.target_seq
         prompt_length = len(seq)
@@ -336,7 +318,7 @@ class Rapid:
             if run.grammar is not None:
                 target_logits = apply_mask(target_logits, run.grammar.masks(proposal.tokens))
             if run.sync:
-                _sync(cache.device)
+                device_sync(cache.device)
             # 4 accept; with eta > 0 and every draft accepted, p^ at k + 1 needs the drafter's row there
             t2 = time.perf_counter()
             verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, run.params, run.generator)
@@ -372,7 +354,7 @@ class Rapid:
                 yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs)
             if finished:
                 break
-        _sync(cache.device)
+        device_sync(cache.device)
         stats.decode_seconds = time.perf_counter() - started
         stats.new_tokens = len(seq) - prompt_length
         stats.stop_reason = finished
@@ -382,47 +364,3 @@ class Rapid:
         output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
                                   None if config.logprobs is None else tuple(run.logprobs))
         yield StreamChunk(text="", token_ids=(), output=output)
-
-
-@dataclass
-class _Generation:
-    """What the rounds of one generation share: its settings, caches, drafter, schedule and what it gathers."""
-
-    config: DecodeConfig
-    params: sampling.SamplingParams
-    stats: GenerationStats
-    generator: torch.Generator
-    target_cache: object
-    target_seq: list[int]
-    drafter: object | None
-    schedule: GammaSchedule
-    stop_tokens: frozenset[int]
-    sync: bool  # wait for the devices around each step (profiling; the cost schedule needs exact times)
-    vocab: int
-    out_of_time: Callable[[], bool]
-    grammar: object | None = None  # a rapidspec.grammar.GrammarState when the answer is constrained
-    logprobs: list = field(default_factory=list)
-
-    def wait_for_drafter(self) -> None:
-        if self.sync and self.drafter is not None and self.drafter.cache is not None:
-            _sync(self.drafter.device)
-
-    def record_round(self, drafted: int, accepted: int, proposal, asked_bonus: bool, times: tuple, fed: int) -> None:
-        """Count a round in the statistics and the gamma schedule (the bonus row's time is drafting time)."""
-        t0, t1, t2 = times
-        if self.sync:
-            _sync(self.target_cache.device)
-        bonus = self.drafter.bonus_seconds if asked_bonus else 0.0
-        measured = RoundRecord(drafted, accepted, t1 - t0 + bonus, proposal.forwards + int(asked_bonus), t2 - t1,
-                               time.perf_counter() - t2 - bonus, fed, proposal.caught_up)
-        self.stats.add_round(measured)
-        self.schedule.record(measured)
-
-    def logprobs_of(self, target_logits, draft_rows, bonus_row, emitted: list[int]) -> tuple:
-        """The log-probabilities of a round's emitted tokens when the config asks for them, kept for the output."""
-        if self.config.logprobs is None or not emitted:
-            return ()
-        out = round_logprobs(target_logits, draft_rows, bonus_row, emitted, self.params, self.config.logprobs,
-                             self.vocab)
-        self.logprobs.extend(out)
-        return out

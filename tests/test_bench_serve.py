@@ -293,3 +293,12 @@ def test_sessions_report_prefix_reuse_per_session():
     assert "prefix_reuse_by_session" not in summarize([done(0, None, 100, 0)], duration=1.0)
     config = LoadConfig(base_url="http://h:1", sessions=True)
     assert config.describe()["sessions"] is True
+
+
+def test_serve_args_may_start_with_a_dash():
+    """``--serve-args '--batch-steps'`` was read by argparse as an option of its own (exit 2)."""
+    from rapidspec.cli import build_parser, join_options_strings
+
+    argv = join_options_strings(["bench-serve", "--serve-args", "--batch-steps --gamma 4", "--peer-args", "-fa on"])
+    args = build_parser().parse_args(argv)
+    assert args.serve_args == "--batch-steps --gamma 4" and args.peer_args == "-fa on"

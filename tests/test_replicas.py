@@ -1,7 +1,8 @@
 """`rapidspec serve --replicas`: two replicas of the tiny model on a local Ray Serve (127.0.0.1, 2 CPUs).
 
 8 concurrent chats from 4 conversations, each conversation's turns sent with
-its ``x-session-id``: nothing lost, every second turn reuses the first turn's
+its ``x-session-id``, then as plain OpenAI requests (the proxy keys them by
+their leading messages): nothing lost, every second turn reuses the first turn's
 prefix (the conversation stayed on its replica); /health and /metrics cover
 both replicas; a replica killed mid-answer: its request gets a 5xx, none
 hangs (Ray Serve's proxy answers it with a 500, in OpenAI's body), the next
@@ -62,23 +63,24 @@ def replicas(tiny_model_dir):
         os.environ.pop(PROXY_CALLBACK_ENV, None)
 
 
-def _turn(url: str, conversation: int, turns: int) -> dict:
-    messages = [{"role": "user", "content": " ".join(NOTES[conversation::4])}]
+def _turn(url: str, conversation: int, turns: int, header: bool) -> dict:
+    messages = [{"role": "user", "content": " ".join(NOTES[conversation::4]) + ("" if header else " (plain)")}]
     for turn in range(turns - 1):
         messages += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": f"And turn {turn}?"}]
     body = {"model": "tiny", "messages": messages, "max_tokens": 4, "ignore_eos": True, "mode": "lc"}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": f"conversation-{conversation}"},
-                          timeout=120)
+    headers = {"x-session-id": f"conversation-{conversation}"} if header else {}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas):
+@pytest.mark.parametrize("header", [True, False], ids=["x-session-id", "plain-openai"])
+def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, header):
     answers: dict[tuple[int, int], dict] = {}
 
     def chat(conversation: int) -> None:
         for turns in (1, 2):
-            answers[(conversation, turns)] = _turn(replicas, conversation, turns)
+            answers[(conversation, turns)] = _turn(replicas, conversation, turns, header)
 
     threads = [threading.Thread(target=chat, args=(c,)) for c in range(4)]
     for thread in threads:
@@ -100,7 +102,8 @@ def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas):
                 out[replica] = out.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 
-    assert wait_until(lambda: sum(served().values()) == 8, timeout=15)  # replicas report once a second
+    finished = 8 if header else 16  # the plain run follows the one with headers
+    assert wait_until(lambda: sum(served().values()) == finished, timeout=15)  # replicas report once a second
 
 
 def test_a_killed_replica_fails_its_request_cleanly_and_the_next_ones_are_served(replicas):

@@ -45,9 +45,27 @@ def join_two_word_command(argv: list[str]) -> list[str]:
     return argv
 
 
+#: Options whose value is other options, as one string (``--serve-args '--gamma 6'``): argparse would read a
+#: value starting with ``-`` as an option of its own, so it is joined to its option first.
+OPTIONS_STRING_OPTIONS = ("--serve-args", "--peer-args")
+
+
+def join_options_strings(argv: list[str]) -> list[str]:
+    """``argv`` with ``--serve-args VALUE`` as ``--serve-args=VALUE`` (see :data:`OPTIONS_STRING_OPTIONS`)."""
+    out, index = [], 0
+    while index < len(argv):
+        if argv[index] in OPTIONS_STRING_OPTIONS and index + 1 < len(argv):
+            out.append(f"{argv[index]}={argv[index + 1]}")
+            index += 2
+        else:
+            out.append(argv[index])
+            index += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(join_two_word_command(list(sys.argv[1:] if argv is None else argv)))
+    args = parser.parse_args(join_options_strings(join_two_word_command(list(sys.argv[1:] if argv is None else argv))))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -142,6 +142,26 @@ def check_template(tokenizer) -> None:
                              "which rapidspec does not read", param="tools")
 
 
+def template_tokenizer(tokenizer, tools: ToolChoice | None):
+    """``tokenizer``, or its chat template with ``tools`` laid out when the answer may call them (checked)."""
+    if tools is None or not tools.calls_expected:
+        return tokenizer
+    check_template(tokenizer)
+    return TemplateWithTools(tokenizer, tools.tools)
+
+
+def with_tool_grammar(config, tools: ToolChoice | None, tokenizer):
+    """``config`` (a DecodeConfig) constrained to tool calls when ``tools`` requires them (``required`` or a
+    named function); RapidspecError when its ``grammar`` (``response_format``) constrains it already."""
+    grammar = None if tools is None else tools.grammar(tokenizer)
+    if grammar is None:
+        return config
+    if config.grammar is not None:
+        raise RapidspecError(f"tool_choice {tools.choice!r} constrains the answer to tool calls: it cannot be "
+                             "combined with response_format", param="tool_choice")
+    return config.with_(grammar=grammar)
+
+
 class TemplateWithTools:
     """A tokenizer whose chat template also lays out ``tools`` (everything else is the tokenizer's own)."""
 

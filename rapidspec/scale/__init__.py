@@ -2,8 +2,9 @@
 
 * :mod:`.connect`: connect to a Ray cluster or start a local instance, with one-line errors.
 * :mod:`.replicas`: ``rapidspec serve --replicas N`` on Ray Serve (session affinity by
-  :data:`SESSION_HEADER`); :mod:`.fleet`: the board the replicas report their health
-  and metrics to; :mod:`.proxy_errors`: the proxy's own errors in OpenAI's schema.
+  :data:`SESSION_HEADER`, which :mod:`.affinity` sets in the proxy for requests without it);
+  :mod:`.fleet`: the board the replicas report their health and metrics to;
+  :mod:`.proxy_errors`: the proxy's own errors in OpenAI's schema.
 * :mod:`.eval_workers`: ``rapidspec eval --ray``: actors that answer items with
   engines of their own.
 

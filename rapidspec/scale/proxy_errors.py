@@ -22,10 +22,13 @@ PROXY_CALLBACK = "rapidspec.scale.proxy_errors:proxy_middlewares"
 
 
 def proxy_middlewares() -> list:
-    """What Ray Serve's proxy calls at start: the middlewares to wrap its app in."""
+    """What Ray Serve's proxy calls at start: the middlewares to wrap its app in (error bodies outermost, then
+    the session key of requests without one, :mod:`rapidspec.scale.affinity`)."""
     from starlette.middleware import Middleware
 
-    return [Middleware(OpenAIErrorBodies)]
+    from rapidspec.scale.affinity import SessionAffinity
+
+    return [Middleware(OpenAIErrorBodies), Middleware(SessionAffinity)]
 
 
 class OpenAIErrorBodies:

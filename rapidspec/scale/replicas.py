@@ -6,7 +6,8 @@ every route, limit and error is the single server's). Ray Serve's proxy
 listens on ``--host``/``--port`` and picks the replica with its
 ``ConsistentHashRouter``: requests carrying the same ``x-session-id`` header
 (a conversation id) go to the same replica, whose prefix cache holds the
-conversation; requests without it are spread over the replicas. Serve restarts
+conversation; requests without it get one in the proxy from their
+``prompt_cache_key``, ``user`` or leading messages (:mod:`rapidspec.scale.affinity`). Serve restarts
 a replica that dies. ``/health`` and ``/metrics`` cover every replica
 (:mod:`rapidspec.scale.fleet`).
 """
@@ -97,8 +98,8 @@ def serve_replicas(spec, config, replicas: int, address: str | None,
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         board = deploy(spec, config, replicas, resources, host, port)  # noqa: F841  (held while serving)
-        logger.info("serving %d replica(s) on http://%s:%d (send %s to keep a conversation on one replica)",
-                    replicas, host, port, SESSION_HEADER)
+        logger.info("serving %d replica(s) on http://%s:%d (a conversation stays on one replica: by its %s "
+                    "header, else its prompt_cache_key, user or leading messages)", replicas, host, port, SESSION_HEADER)
         stop.wait()
     finally:
         for sig, handler in previous.items():

@@ -130,6 +130,7 @@ class GenerationRequest(RequestBody):
     stream_options: StreamOptions | None = None
     # accepted, no effect here
     user: str | None = None
+    prompt_cache_key: str | None = None  # with user, what keeps a conversation on one replica (scale.affinity)
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     frequency_penalty: float | None = Field(default=None, ge=0, le=0)

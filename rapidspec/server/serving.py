@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rapidspec.conversation import parse_documents, parse_messages
 from rapidspec.errors import RapidspecError
+from rapidspec.grammar.tools import with_tool_grammar
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.server.errors import failure
 from rapidspec.server.responses import FINISH_REASONS, Reply, error_response, sse
@@ -51,7 +52,7 @@ class GenerationServing:
         if body.unknown_fields:
             logger.warning("ignored request fields no schema defines: %s", body.unknown_fields_note())
         tools = body.tool_choice_of()
-        decode = state.engine.with_tool_grammar(body.decode_config(config.decode), tools)
+        decode = with_tool_grammar(body.decode_config(config.decode), tools, state.engine.tokenizer)
         retrieval = body.retrieval_config(config.retrieval or state.engine.retriever.config)
         messages = parse_messages(messages)
         documents = parse_documents(body.documents)

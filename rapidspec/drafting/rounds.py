@@ -1,0 +1,69 @@
+"""What the rounds of one generation share: its settings, caches, drafter, schedule, grammar and what it gathers.
+
+The engine's decode loop (:meth:`rapidspec.Rapid.decode`) makes one
+:class:`Rounds` per generation and passes it through every round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rapidspec import sampling
+from rapidspec.config import DecodeConfig
+from rapidspec.drafting.gamma_schedule import GammaSchedule
+from rapidspec.logprobs import round_logprobs
+from rapidspec.stats import GenerationStats, RoundRecord
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device`` (CUDA runs asynchronously; CPU needs nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Rounds:
+    """What the rounds of one generation share: its settings, caches, drafter, schedule and what it gathers."""
+
+    config: DecodeConfig
+    params: sampling.SamplingParams
+    stats: GenerationStats
+    generator: torch.Generator
+    target_cache: object
+    target_seq: list[int]
+    drafter: object | None
+    schedule: GammaSchedule
+    stop_tokens: frozenset[int]
+    sync: bool  # wait for the devices around each step (profiling; the cost schedule needs exact times)
+    vocab: int
+    out_of_time: Callable[[], bool]
+    grammar: object | None = None  # a rapidspec.grammar.GrammarState when the answer is constrained
+    logprobs: list = field(default_factory=list)
+
+    def wait_for_drafter(self) -> None:
+        if self.sync and self.drafter is not None and self.drafter.cache is not None:
+            sync(self.drafter.device)
+
+    def record_round(self, drafted: int, accepted: int, proposal, asked_bonus: bool, times: tuple, fed: int) -> None:
+        """Count a round in the statistics and the gamma schedule (the bonus row's time is drafting time)."""
+        t0, t1, t2 = times
+        if self.sync:
+            sync(self.target_cache.device)
+        bonus = self.drafter.bonus_seconds if asked_bonus else 0.0
+        measured = RoundRecord(drafted, accepted, t1 - t0 + bonus, proposal.forwards + int(asked_bonus), t2 - t1,
+                               time.perf_counter() - t2 - bonus, fed, proposal.caught_up)
+        self.stats.add_round(measured)
+        self.schedule.record(measured)
+
+    def logprobs_of(self, target_logits, draft_rows, bonus_row, emitted: list[int]) -> tuple:
+        """The log-probabilities of a round's emitted tokens when the config asks for them, kept for the output."""
+        if self.config.logprobs is None or not emitted:
+            return ()
+        out = round_logprobs(target_logits, draft_rows, bonus_row, emitted, self.params, self.config.logprobs,
+                             self.vocab)
+        self.logprobs.extend(out)
+        return out
