@@ -41,4 +41,4 @@ async def test_plain_5xx_become_openai_bodies_and_the_rest_pass(anyio_backend):
         assert (await client.get("/ours")).json() == {"error": {"code": "internal_error"}}  # the app's own: untouched
         fine = await client.get("/fine")
         assert fine.status_code == 200 and fine.text == "ok"
-    assert len(proxy_middlewares()) == 1
+    assert [m.cls.__name__ for m in proxy_middlewares()] == ["OpenAIErrorBodies", "SessionAffinity"]

@@ -137,7 +137,7 @@ def test_a_killed_replica_fails_its_request_cleanly_and_the_next_ones_are_served
         response = outcome["response"]
         assert response.status_code >= 500 and response.json()["error"]["code"] == "replica_unavailable"
     for conversation in range(2):  # the surviving (and the restarted) replicas serve the next requests
-        assert _turn(replicas, conversation, 1)["usage"]["completion_tokens"] == 4
+        assert _turn(replicas, conversation, 1, header=True)["usage"]["completion_tokens"] == 4
 
     def restarted() -> bool:  # Serve replaced the dead replica: two report again, the killed process not among them
         health = httpx.get(f"{replicas}/health", timeout=10).json()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from rapidspec import Rapid, load_model
 from rapidspec.demo_document import demo_document
@@ -41,3 +42,27 @@ def test_two_turn_chat_reuses_the_history_and_keeps_greedy_equality():
     assert second.usage.prompt_tokens - reused < 80
     second_stats = second.model_extra["rapidspec"]["stats"]
     assert second_stats["target_prefill_seconds"] < stats["target_prefill_seconds"] / 2
+
+
+class Closing(BaseModel):
+    place: str = Field(max_length=40)
+    day: str = Field(max_length=12)
+    closing_time: str = Field(max_length=12)
+
+
+def test_structured_output_through_the_openai_client_streaming_and_not():
+    """rapid under a JSON schema on the built-in model: the answer parses into the Pydantic model, whole or streamed."""
+    engine = Rapid(load_model("builtin"), retrieval=RetrievalConfig(method="bm25"))
+    item = demo_document(target_tokens=2500, tokenizer=engine.tokenizer)
+    body = dict(model="builtin", max_tokens=80, temperature=0,
+                messages=[{"role": "user", "content": item.question + " Answer in JSON."}],
+                extra_body={"documents": [item.document], "gamma_schedule": "constant"})  # repeatable with eta > 0
+    with running_server(engine, model_name="builtin") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        parsed = client.chat.completions.parse(response_format=Closing, **body)
+        schema = {"type": "json_schema", "json_schema": {"name": "closing", "schema": Closing.model_json_schema()}}
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            response_format=schema, stream=True, **body) if chunk.choices)
+    assert isinstance(parsed.choices[0].message.parsed, Closing)
+    assert parsed.model_extra["rapidspec"]["stats"]["drafted_tokens"] > 0
+    assert Closing.model_validate_json(streamed) == parsed.choices[0].message.parsed  # greedy: the same answer

@@ -112,9 +112,10 @@ class ToolChoice:
 
 
 def _marker(tokenizer, text: str) -> str:
-    """``text`` in Lark: its token (``<[id]>``) when the tokenizer has it as one added token, else the literal."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] >= 256 else json.dumps(text)
+    """``text`` in Lark: its token (``<[id]>``) when the tokenizer has it as an added token of its own (Qwen2.5's
+    ``<tool_call>``; llguidance matches added tokens only by id), else the literal text."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    return f"<[{added[text]}]>" if text in added else json.dumps(text)
 
 
 def _choice(tool_choice, names: list[str]) -> str:
