@@ -14,7 +14,8 @@ each generation's drafter comes from :mod:`rapidspec.drafting.factory` (the mode
 
 A grammar (``config.grammar``, :mod:`rapidspec.grammar`) masks the drafter's logits in 2 and the
 target's rows in 3 alike, and follows the committed tokens in 5; the per-round state is
-:class:`~rapidspec.drafting.rounds.Rounds`. Modes ``lc`` and ``rag`` have no drafter: every round is a plain step. Caches come from
+:class:`~rapidspec.drafting.rounds.Rounds`. Modes ``lc`` and ``rag`` have no drafter: every round is a
+plain step. Caches come from
 :mod:`rapidspec.runtime` (the KV-cache protocol of :mod:`rapidspec.runtime.protocol`).
 """
 
@@ -182,7 +183,8 @@ class Rapid:
         ``tools`` go into the chat template (RapidspecError when the model's template has none)."""
         target_window, drafter_window = self._windows(config)
         pair = chat_prompts(
-            template_tokenizer(self.tokenizer, tools), retriever or self.retriever, parse_messages(messages), parse_documents(documents), mode=config.mode,
+            template_tokenizer(self.tokenizer, tools), retriever or self.retriever, parse_messages(messages),
+            parse_documents(documents), mode=config.mode,
             target_window=target_window, drafter_window=drafter_window, truncate=config.truncate, query=query,
             recent_messages=recent_messages, raw=raw,
         )
@@ -249,10 +251,9 @@ class Rapid:
             try:
                 vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits, same tokens
                 sync = profile or (config.resolved_gamma_schedule == "cost" and drafter is not None)  # cost: exact times
-                run = Rounds(config, sampling.SamplingParams.of(config), stats, generator, target_cache,
-                                  target_seq, drafter, schedule or new_schedule(config),
-                                  frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time,
-                                  grammar)
+                run = Rounds(config, sampling.SamplingParams.of(config), stats, generator, target_cache, target_seq,
+                             drafter, schedule or new_schedule(config),
+                             frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time, grammar)
                 yield from self._decode(run, prompts, observer)
                 consistent = True
             except GeneratorExit:
