@@ -329,8 +329,7 @@ class Rapid:
                 bonus_row = drafter.bonus_row(config, run.stop_tokens, run.sync, run.grammar) if asked else None
                 next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, run.params, run.generator)
                 verdict = sampling.Verdict(verdict.accepted, next_token)
-            if drafter is not None:
-                run.record_round(len(proposal.tokens), verdict.accepted, proposal, asked, (t0, t1, t2), len(fed))
+            measured = run.record_round(len(proposal.tokens), verdict.accepted, proposal, asked, (t0, t1, t2), len(fed))
             # 5 commit: stop at EOS, a stop string, a complete grammar and max_new_tokens, then roll back the caches
             emitted, finished = cut_answer(proposal.tokens[: verdict.accepted] + [verdict.next_token], remaining,
                                            run.stop_tokens)
@@ -352,7 +351,7 @@ class Rapid:
             if observer is not None:
                 observer(cache, seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
             if text or emitted:
-                yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs)
+                yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs, round=measured)
             if finished:
                 break
         device_sync(cache.device)

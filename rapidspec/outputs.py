@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from rapidspec.config import DecodeConfig
-from rapidspec.stats import GenerationStats
+from rapidspec.stats import GenerationStats, RoundRecord
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,29 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """New text and tokens of one step; the last chunk carries the full output."""
+    """New text and tokens of one step; the last chunk carries the full output.
+
+    ``round``: the draft/verify round that emitted ``token_ids`` (its first
+    ``round.accepted`` tokens are accepted drafts, a next one the target's own
+    choice: :func:`token_kinds`).
+    """
 
     text: str
     token_ids: tuple[int, ...] = ()
     output: GenerationOutput | None = field(default=None, repr=False)
     logprobs: tuple = ()  # TokenLogprob per token of token_ids when DecodeConfig.logprobs is set
+    round: RoundRecord | None = None
+
+
+def token_kinds(chunk: StreamChunk) -> list[str]:
+    """How each of a chunk's tokens came: ``accepted`` (a draft the target kept), ``recovered`` (the target's
+    token where it rejected a draft), ``bonus`` (the target's token after every draft was kept) or ``plain``
+    (a round without drafts)."""
+    record, count = chunk.round, len(chunk.token_ids)
+    if record is None:
+        return ["plain"] * count
+    own = "plain" if record.drafted == 0 else "bonus" if record.accepted == record.drafted else "recovered"
+    return ["accepted" if i < record.accepted else own for i in range(count)]
 
 
 def last_output(chunks: Iterator[StreamChunk]) -> GenerationOutput:

@@ -48,9 +48,13 @@ class Rounds:
         if self.sync and self.drafter is not None and self.drafter.cache is not None:
             sync(self.drafter.device)
 
-    def record_round(self, drafted: int, accepted: int, proposal, asked_bonus: bool, times: tuple, fed: int) -> None:
-        """Count a round in the statistics and the gamma schedule (the bonus row's time is drafting time)."""
+    def record_round(self, drafted: int, accepted: int, proposal, asked_bonus: bool, times: tuple,
+                     fed: int) -> RoundRecord:
+        """The round as measured (the bonus row's time is drafting time), counted in the statistics and the gamma
+        schedule when the generation drafts (without a drafter every round is a plain step, counted nowhere)."""
         t0, t1, t2 = times
+        if self.drafter is None:
+            return RoundRecord(0, 0, 0.0, 0, t2 - t1, time.perf_counter() - t2, fed)
         if self.sync:
             sync(self.target_cache.device)
         bonus = self.drafter.bonus_seconds if asked_bonus else 0.0
@@ -58,6 +62,7 @@ class Rounds:
                                time.perf_counter() - t2 - bonus, fed, proposal.caught_up)
         self.stats.add_round(measured)
         self.schedule.record(measured)
+        return measured
 
     def logprobs_of(self, target_logits, draft_rows, bonus_row, emitted: list[int]) -> tuple:
         """The log-probabilities of a round's emitted tokens when the config asks for them, kept for the output."""

@@ -25,7 +25,7 @@ from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server.errors import add_error_handlers
 from rapidspec.server.http import READ_TIMEOUT_S
 from rapidspec.server.limits import RequestGuard
-from rapidspec.server.routers import admin, generation, tokens
+from rapidspec.server.routers import admin, generation, page, tokens
 from rapidspec.server.state import ServerState
 
 
@@ -111,6 +111,6 @@ def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
     add_error_handlers(app, state.metrics)
-    for router in (generation.router, tokens.router, admin.router):
+    for router in (generation.router, tokens.router, admin.router, page.router):
         app.include_router(router)
     return app

@@ -1,7 +1,7 @@
 """The server's front door, before any route runs: the API key and the body size.
 
 A pure ASGI middleware (it never buffers a response, so streaming is
-untouched). With an API key, every path but ``/health`` needs
+untouched). With an API key, every path but ``/health`` and the page (``/``, its static files) needs
 ``Authorization: Bearer KEY`` (401 otherwise; CORS preflights pass, the CORS
 middleware outside this one answers them). A request body is read up to
 ``max_request_bytes`` and refused with 413 beyond it, whether or not the
@@ -17,7 +17,8 @@ import json
 import secrets
 from collections.abc import Callable
 
-OPEN_PATHS = frozenset({"/health"})
+#: Paths open without the API key: health probes and the page's static files (the page asks for the key).
+OPEN_PATHS = frozenset({"/health", "/", "/static/index.html", "/static/app.js", "/static/style.css"})
 
 
 class RequestGuard:

@@ -21,7 +21,7 @@ import uuid
 from fastapi.responses import JSONResponse
 
 from rapidspec.grammar.tools import ToolTextFilter, parse_tool_calls
-from rapidspec.outputs import GenerationOutput
+from rapidspec.outputs import GenerationOutput, token_kinds
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "time": "length"}
 
@@ -30,11 +30,14 @@ class Reply:
     """The shape of one request's answer: chat (``chat.completion``) or text (``text_completion``)."""
 
     def __init__(self, chat: bool, model: str, include_usage: bool = False, pieces=None,
-                 tools: list[str] | None = None) -> None:
+                 tools: list[str] | None = None, trace: bool = False) -> None:
         """``include_usage``: every stream chunk has ``usage`` (null until the last); ``pieces``
-        (a :class:`~rapidspec.server.tokens.TokenPieces`) when log-probabilities were asked for;
-        ``tools``: the names of the functions the answer may call."""
+        (a :class:`~rapidspec.server.tokens.TokenPieces`) when log-probabilities or the trace were asked for;
+        ``tools``: the names of the functions the answer may call; ``trace``: each stream chunk tells how its
+        tokens came (:meth:`trace_of`)."""
         self.chat = chat
+        self.trace = trace
+        self._rounds = 0
         self._tool_names = tools
         self._tool_text = ToolTextFilter() if tools else None
         self.model = model
@@ -90,6 +93,20 @@ class Reply:
             return self._body("chat.completion.chunk", [choice], **extra)
         choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
         return self._body("text_completion", [choice], **extra)
+
+    def trace_of(self, chunk) -> dict:
+        """The ``rapidspec`` extension of a stream chunk asked for with ``trace``: the round that emitted its tokens
+        (number, drafts, accepted, drafting and verifying milliseconds) and each token's text and kind
+        (:func:`rapidspec.outputs.token_kinds`)."""
+        self._rounds += 1
+        record = chunk.round
+        tokens = [{"text": text, "kind": kind}
+                  for text, kind in zip(self.pieces.texts(chunk.token_ids), token_kinds(chunk))]
+        round_ = {"index": self._rounds, "drafted": 0, "accepted": 0, "draft_ms": 0.0, "verify_ms": 0.0}
+        if record is not None:
+            round_.update(drafted=record.drafted, accepted=record.accepted,
+                          draft_ms=round(record.draft_seconds * 1e3, 3), verify_ms=round(record.verify_seconds * 1e3, 3))
+        return {"round": round_, "tokens": tokens}
 
     def last_chunks(self, output: GenerationOutput) -> list[dict]:
         """Held-back content or the tool calls, the chunk with the finish reason and statistics, then the usage

@@ -165,6 +165,8 @@ class GenerationRequest(RequestBody):
     retrieval: Literal[METHODS] | None = None  # type: ignore[valid-type]
     budget_tokens: int | None = Field(default=None, ge=1)
     chunk_tokens: int | None = Field(default=None, ge=1)
+    # streaming only: each chunk's "rapidspec" field tells how its tokens came (Reply.trace_of)
+    trace: bool | None = None
 
     def logprobs_count(self) -> int | None:
         """DecodeConfig.logprobs: None = off, else how many most likely tokens to report per position."""

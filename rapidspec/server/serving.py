@@ -96,8 +96,10 @@ class GenerationServing:
 
         state.worker.run(job, work)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        reply = Reply(chat, config.model_name, include_usage, state.pieces if decode.logprobs is not None else None,
-                      tools=tools.names if tools is not None and tools.calls_expected else None)
+        trace = bool(body.trace and body.stream)
+        reply = Reply(chat, config.model_name, include_usage,
+                      state.pieces if decode.logprobs is not None or trace else None,
+                      tools=tools.names if tools is not None and tools.calls_expected else None, trace=trace)
         try:
             kind, payload = await self._next_event(job, request)  # "ready" once the job has a slot
         except _Cancelled:
@@ -174,8 +176,10 @@ class GenerationServing:
                     self._observe_first_token(arrived)
                     first = False
                 text = reply.content_of(payload.text)  # a tool call's text is not content
-                if text or (payload.logprobs and reply.pieces):
-                    yield sse(reply.chunk(text=text, logprobs=payload.logprobs))
+                traced = reply.trace and bool(payload.token_ids)
+                if text or (payload.logprobs and reply.pieces) or traced:
+                    extra = {"rapidspec": reply.trace_of(payload)} if traced else {}
+                    yield sse(reply.chunk(text=text, logprobs=payload.logprobs, **extra))
                 if payload.output is not None:
                     self._record_finish(job, payload.output, arrived)
                     finished = True
