@@ -122,10 +122,12 @@ def test_an_answer_streams_with_its_tokens_marked_and_the_chunk_highlighted(brow
         browser.save_screenshot(str(Path(folder) / "page.png"))
 
 
-def api_stream(server: str, item) -> tuple[float, float]:
+def api_stream(server: str, item=None, question: str | None = None, max_tokens: int = 48) -> tuple[float, float]:
     """The same request by a plain client (no page): ms to its first token chunk, and the longest gap between two."""
-    body = {"model": "builtin", "messages": [{"role": "user", "content": item.question}], "max_tokens": 48,
-            "documents": [item.document], "stream": True, "trace": True, "temperature": 0, "mode": "rapid"}
+    body = {"model": "builtin", "messages": [{"role": "user", "content": question or item.question}],
+            "max_tokens": max_tokens, "stream": True, "trace": True, "temperature": 0, "mode": "rapid"}
+    if item is not None:
+        body["documents"] = [item.document]
     started, times = time.perf_counter(), []
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=300,
                       headers={"Authorization": f"Bearer {KEY}"}) as response:
@@ -135,3 +137,22 @@ def api_stream(server: str, item) -> tuple[float, float]:
     assert times, "no token chunk"
     gaps = [b - a for a, b in zip(times, times[1:])]
     return (times[0] - started) * 1e3, max(gaps, default=0.0) * 1e3
+
+
+def test_a_long_answer_keeps_the_page_painting(browser, server):
+    """A chat without documents asking for a long answer (up to 512 tokens): the longest gap between painted rounds
+    is printed against the longest gap between the stream's chunks (measured here, not a timed assertion)."""
+    browser.get(f"{server}/")
+    wait_for(browser, "return document.getElementById('model').options.length > 0", 30)
+    browser.execute_script("document.getElementById('document').value = ''")
+    browser.find_element("id", "max-tokens").clear()
+    browser.find_element("id", "max-tokens").send_keys("512")
+    before = browser.execute_script("return window.rapidspecRuns.length")
+    question = "Write a long story about a lighthouse keeper and a cat."
+    browser.find_element("id", "question").send_keys(question)
+    browser.find_element("id", "send").click()
+    run = wait_for(browser, f"return window.rapidspecRuns.length > {before} && window.rapidspecRuns.at(-1)")
+    assert run["tokens"] > 0 and not console_errors(browser)
+    _, api_gap = api_stream(server, question=question, max_tokens=512)
+    print(f"\nlong answer: {run['tokens']} tokens in {run['rounds']} rounds, {run['totalMs']:.0f} ms; longest gap "
+          f"between painted rounds {run['maxGapMs']:.0f} ms, between the API's token chunks {api_gap:.0f} ms")

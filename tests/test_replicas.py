@@ -93,6 +93,7 @@ def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, heade
         assert second["target_prefill_reused_tokens"] > 0, conversation  # the first turn's cache was there
     health = httpx.get(f"{replicas}/health", timeout=10).json()
     assert health["status"] == "ok" and len(health["replicas"]) == 2
+    assert "static/app.js" in httpx.get(f"{replicas}/", timeout=10).text  # the page, through Serve's proxy
 
     def served() -> dict[str, float]:  # replica -> finished requests, from the merged /metrics
         out: dict[str, float] = {}
