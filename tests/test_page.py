@@ -114,6 +114,8 @@ def test_an_answer_streams_with_its_tokens_marked_and_the_chunk_highlighted(brow
     assert "acceptance" in stats and "decode" in stats and "prefill reused" in stats
     assert browser.find_elements("css selector", ".timeline .round")
     assert not console_errors(browser), console_errors(browser)
+    fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert fetched and all(url.startswith(server) for url in fetched), fetched  # nothing beyond the server
     print(f"\npage: first token painted {rapid['ttftMs']:.0f} ms after send, the API alone {api_ttft:.0f} ms to its "
           f"first token chunk (same request, warm); longest gap between painted rounds {rapid['maxGapMs']:.0f} ms, "
           f"between the API's token chunks {api_gap:.0f} ms ({rapid['tokens']} tokens, {rapid['rounds']} rounds)")
