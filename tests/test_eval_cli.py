@@ -97,6 +97,7 @@ def test_eval_sweep_from_the_command_line(tiny_cli, tmp_path, capsys):
         (["--data", "{leval}", "--sweep", "temperature=0,1"], "sweep must look like"),
         (["--data", "{leval}", "--sweep", "budget_tokens=0"], "budget_tokens values must be >= 1"),
         (["--data", "{leval}", "--retrieve-from", "{missing}"], "--retrieve-from"),
+        (["--data", "{leval}", "--json-object"], "do not apply to eval"),
     ],
 )
 def test_eval_user_mistakes_exit_2_with_one_line(tiny_cli, tmp_path, capsys, argv, message):

@@ -14,6 +14,7 @@ FORBIDDEN = {
     "retrieval": {"engine", "drafting", "models", "server", "scale", "evaluation", "bench", "cli"},
     "models": {"engine", "drafting", "server", "scale", "evaluation", "bench", "cli"},
     "drafting": {"engine", "server", "scale", "evaluation", "bench", "cli"},
+    "grammar": {"engine", "drafting", "models", "runtime", "retrieval", "server", "scale", "evaluation", "bench", "cli"},
     "server": {"scale", "evaluation", "bench", "cli"},
     "evaluation": {"server", "scale", "bench", "cli"},
     "scale": {"bench", "cli"},

@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if args.retrieve_from not in (None, "other-item") and not os.path.isfile(args.retrieve_from):
         raise RapidspecError(f"--retrieve-from takes other-item or a file; {args.retrieve_from} is not a file")
     base = decode_config(args, mode="rapid", max_new_tokens=args.max_new_tokens or 64)
+    if base.grammar is not None:
+        raise RapidspecError("--json-schema and --json-object do not apply to eval: its scorers read free-text answers")
     defaults = DecodeConfig()
     passed = {f.name: getattr(base, f.name) for f in fields(DecodeConfig)
               if f.name in _PASSED_THROUGH and getattr(base, f.name) != getattr(defaults, f.name)}
