@@ -75,7 +75,7 @@ def test_generate_with_a_json_schema_file(document, tiny_model_dir, tmp_path, ca
     schema = tmp_path / "cat.json"
     schema.write_text(json.dumps(CAT_SCHEMA), encoding="utf-8")
     code = main(["generate", "--document", str(document), "--question", "Cat?", "--target", str(tiny_model_dir),
-                 "--retrieval", "bm25", "--json-schema", str(schema), "--max-new-tokens", "60", "--json"])
+                 "--retrieval", "bm25", "--json-schema", str(schema), "--max-new-tokens", "160", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and set(json.loads(result["text"])) == {"cat"}
 

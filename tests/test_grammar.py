@@ -88,7 +88,7 @@ def test_a_complete_answer_finishes_the_grammar(grammar_tokens, byte_tokenizer):
 
 @pytest.fixture(scope="module")
 def lc_record(tiny_model):
-    return engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=60, grammar=RESPONSE_FORMAT)
+    return engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=100, grammar=RESPONSE_FORMAT)
 
 
 def test_lc_under_a_grammar_answers_valid_json(lc_record):
@@ -104,7 +104,7 @@ def test_greedy_eta_zero_under_a_grammar_equals_lc_under_it(tiny_model, other_ti
 
     (rag reads other text, so only its validity is checked.)"""
     drafter = None if drafter_kind == "self" else other_tiny_model
-    out = engine(tiny_model, drafter).generate(DOCUMENT, QUESTION, mode=mode, eta=0.0, gamma=4, max_new_tokens=60,
+    out = engine(tiny_model, drafter).generate(DOCUMENT, QUESTION, mode=mode, eta=0.0, gamma=4, max_new_tokens=100,
                                                gamma_schedule="constant", grammar=RESPONSE_FORMAT)
     jsonschema.validate(json.loads(out.text), SCHEMA)
     if mode != "rag":
@@ -117,7 +117,7 @@ def test_rapid_sampling_and_eta_keep_the_grammar(tiny_model, other_tiny_model, t
     rapid = engine(tiny_model, other_tiny_model)
     generator = torch.Generator().manual_seed(3)
     for _ in range(10):
-        out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", eta=eta, temperature=temperature, max_new_tokens=60,
+        out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", eta=eta, temperature=temperature, max_new_tokens=100,
                              grammar=RESPONSE_FORMAT, generator=generator)
         jsonschema.validate(json.loads(out.text), SCHEMA)
 

@@ -54,7 +54,7 @@ def test_structured_output_through_the_openai_client_streaming_and_not():
     """rapid under a JSON schema on the built-in model: the answer parses into the Pydantic model, whole or streamed."""
     engine = Rapid(load_model("builtin"), retrieval=RetrievalConfig(method="bm25"))
     item = demo_document(target_tokens=2500, tokenizer=engine.tokenizer)
-    body = dict(model="builtin", max_tokens=80, temperature=0,
+    body = dict(model="builtin", max_tokens=160, temperature=0,
                 messages=[{"role": "user", "content": item.question + " Answer in JSON."}],
                 extra_body={"documents": [item.document], "gamma_schedule": "constant"})  # repeatable with eta > 0
     with running_server(engine, model_name="builtin") as url:

@@ -66,7 +66,7 @@ def test_langchain_tool_round_trip(server):
     llm = langchain_openai.ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model="qwen", max_tokens=60,
                                       temperature=0, max_retries=0, timeout=600)
     question = HumanMessage("What is 17 + 25? Use the add tool.")
-    message = llm.bind_tools([add]).invoke([question])  # auto: the model chooses to call
+    message = llm.bind_tools([add], tool_choice="add").invoke([question])  # named: the call is constrained
     assert len(message.tool_calls) == 1, repr(message.content)
     (call,) = message.tool_calls
     assert call["name"] == "add" and call["args"] == {"a": 17, "b": 25}
