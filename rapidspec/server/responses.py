@@ -111,7 +111,7 @@ class Reply:
     def last_chunks(self, output: GenerationOutput) -> list[dict]:
         """Held-back content or the tool calls, the chunk with the finish reason and statistics, then the usage
         chunk if asked for."""
-        content, calls = self._calls(output)
+        _, calls = self._calls(output)  # the content was streamed already (or is held, below)
         chunks = []
         held = "" if self._tool_text is None else self._tool_text.flush()
         if held and not calls:
