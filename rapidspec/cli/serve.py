@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
         from rapidspec.server import ServerConfig, create_app
         from rapidspec.server.http import uvicorn_config
+        from rapidspec.runtime.threads import helper_thread
     except ImportError as err:
         raise RapidspecError(f"rapidspec serve needs the serve extra ({err.name} is missing): "
                              "pip install 'rapidspec[serve]'") from None
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         return serve_replicas(model_spec(args), config, args.replicas, args.ray_address, resources, args.host, args.port)
     if args.ray_address is not None or args.replica_resources is not None:
         raise RapidspecError("--ray-address and --replica-resources apply with --replicas")
+    helper_thread()  # the engine's thread computes; this one only loads and serves HTTP (rapidspec.runtime.threads)
     engine = load_engine(args)
     app = create_app(engine, config)
     logging.getLogger("rapidspec").setLevel(logging.INFO)

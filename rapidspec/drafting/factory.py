@@ -32,6 +32,7 @@ from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.drafting.modes import MODE_TABLE
 from rapidspec.errors import RapidspecError
 from rapidspec.models.vocabulary import check_same_vocabulary, logit_width
+from rapidspec.runtime.threads import compute_threads
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 def spare_cores() -> int:
     """CPU cores this process may use beyond torch's threads (those the target's prefill keeps busy)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return usable - torch.get_num_threads()
+    return usable - compute_threads()
 
 
 class DrafterFactory:
@@ -51,7 +52,7 @@ class DrafterFactory:
             check_same_vocabulary(target.tokenizer, drafter.tokenizer)
         self.target = target
         self._source = drafter  # None, a loaded model, or a name (loaded on first torch use)
-        self.threads = torch.get_num_threads() if threads is None else threads
+        self.threads = compute_threads() if threads is None else threads
         if self.threads < 1:
             raise RapidspecError(f"drafter_threads must be >= 1, got {threads}")
         self.prefill_chunk_tokens = prefill_chunk_tokens

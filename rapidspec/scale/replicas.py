@@ -39,7 +39,9 @@ class RapidspecReplica:
         from ray import serve
 
         from rapidspec.engine import Rapid
+        from rapidspec.runtime.threads import helper_thread
 
+        helper_thread()  # the worker's engine thread computes (rapidspec.runtime.threads)
         self.engine = Rapid.from_spec(spec, config.retrieval)
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id

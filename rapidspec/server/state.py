@@ -17,6 +17,7 @@ from fastapi import Request
 from rapidspec.drafting.eta_default import resolve_eta
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
+from rapidspec.runtime.threads import helper_thread
 from rapidspec.server.capacity import concurrent_sequences, free_memory_bytes, kv_bytes_per_token
 from rapidspec.server.metrics import ServerMetrics
 from rapidspec.server.tokens import ServerTokens, TokenPieces
@@ -42,7 +43,8 @@ class ServerState:
         self.tokens = ServerTokens(engine.tokenizer, config.max_document_tokens or 4 * window)
         self.pieces = TokenPieces(engine.tokenizer)
         # requests are prepared (sized, retrieved, rendered) here, as many at once as may be admitted
-        self.preparer = ThreadPoolExecutor(config.max_queue + self.worker.max_num_seqs, "rapidspec-prepare")
+        self.preparer = ThreadPoolExecutor(config.max_queue + self.worker.max_num_seqs, "rapidspec-prepare",
+                                           initializer=helper_thread)
         self.started = int(time.time())
         self._retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()
         self._retrievers_lock = threading.Lock()

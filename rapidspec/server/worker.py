@@ -42,6 +42,7 @@ import torch
 
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.batching import ForwardBatcher, batching
+from rapidspec.runtime.threads import computing_thread
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ class Worker:
             self._pool.shutdown(wait=False)
 
     def _loop(self) -> None:
+        computing_thread()  # the process's one thread with torch's threads (rapidspec.runtime.threads)
         with torch.inference_mode():
             stopping = False
             while not (stopping and not self._running):

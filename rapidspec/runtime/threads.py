@@ -1,0 +1,56 @@
+"""One computing thread per process: torch's and llama.cpp's OpenMP threads belong to it alone.
+
+torch and llama.cpp share one OpenMP runtime (libgomp, loaded once), which
+gives every thread that runs a parallel region a team of threads of its own
+and keeps it. Once the teams hold more threads than the process has CPUs,
+libgomp stops letting idle team threads spin, so every small parallel region
+(a decode step runs hundreds) waits for threads to wake up. Measured on a
+2-core machine (2026-11-26): a bfloat16 linear layer over 4 rows took 2x as
+long on a second thread as on the first, and a decode round of the built-in
+model about 2x as long on a server's engine thread as in a script's main
+thread, because the main thread had loaded the models with a team of its own.
+
+So a process that computes on another thread than its main one (the
+server's engine thread) gives that thread torch's threads
+(:func:`computing_thread`) and every other thread that may touch torch one
+(:func:`helper_thread`, before its first tensor operation: loading models on
+the main thread, preparing requests). :func:`compute_threads` is the number of
+threads the computing thread uses (torch's count when first asked), which is
+also the default of a llama.cpp drafter's threads.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_compute_threads: int | None = None
+
+
+def compute_threads() -> int:
+    """The intra-op threads of the computing thread: torch's count the first time this is asked."""
+    global _compute_threads
+    with _lock:
+        if _compute_threads is None:
+            _compute_threads = torch.get_num_threads()
+        return _compute_threads
+
+
+def _use_threads(count: int) -> None:
+    # get_num_threads() first: torch sets a thread's count from a process-wide value on the thread's first
+    # parallel operation, which would undo a count set before it.
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
+def helper_thread() -> None:
+    """This thread runs torch operations on itself alone (no OpenMP team of its own)."""
+    compute_threads()
+    _use_threads(1)
+
+
+def computing_thread() -> None:
+    """This thread is the one that computes: torch's threads (:func:`compute_threads`) are its."""
+    _use_threads(compute_threads())

@@ -1,0 +1,85 @@
+"""One computing thread per process (rapidspec.runtime.threads): helpers get no OpenMP team, the engine thread does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidspec.runtime.threads import compute_threads, computing_thread, helper_thread
+from rapidspec.server.worker import Worker
+
+TASKS = Path(f"/proc/{os.getpid()}/task")
+
+
+def _on_new_thread(setup, probe):
+    """Run ``setup`` then ``probe`` on a fresh thread while it is alive; the probe's result."""
+    result: list = []
+    ready, done = threading.Event(), threading.Event()
+
+    def body():
+        if setup is not None:
+            setup()
+        result.append(probe())
+        ready.set()
+        done.wait(10)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        return result[0]
+    finally:
+        done.set()
+        thread.join(10)
+
+
+def _parallel_work() -> None:
+    a = torch.randn(512, 512)
+    for _ in range(5):
+        a = torch.tanh(a @ a)  # a parallel region on any CPU count > 1
+
+
+def test_a_helper_thread_computes_alone_and_leaves_the_computing_thread_its_threads():
+    wanted = compute_threads()
+    assert _on_new_thread(helper_thread, torch.get_num_threads) == 1
+
+    def computing_then_helper():
+        computing_thread()
+        _on_new_thread(helper_thread, _parallel_work)  # a helper started later changes nothing here
+        _parallel_work()
+        return torch.get_num_threads()
+
+    assert _on_new_thread(None, computing_then_helper) == wanted
+
+
+@pytest.mark.skipif(not TASKS.is_dir() or compute_threads() < 2, reason="needs /proc and 2 or more torch threads")
+def test_a_helper_thread_starts_no_openmp_threads():
+    before = len(list(TASKS.iterdir()))
+
+    def tasks_after_work():
+        _parallel_work()
+        return len(list(TASKS.iterdir()))
+
+    assert _on_new_thread(helper_thread, tasks_after_work) == before + 1  # the helper itself, no team
+    # the same work on a thread that is not a helper starts a team of torch's threads (the test's control)
+    assert _on_new_thread(None, tasks_after_work) > before + 1
+
+
+def test_the_worker_thread_computes_with_torch_threads():
+    async def scenario():
+        worker = Worker(2)
+        seen: list[int] = []
+        try:
+            job = worker.submit(lambda emit, cancelled: seen.append(torch.get_num_threads()))
+            while (await asyncio.wait_for(job.events.get(), 10))[0] != "end":
+                pass
+        finally:
+            worker.stop(10)
+        return seen
+
+    assert asyncio.run(scenario()) == [compute_threads()]
