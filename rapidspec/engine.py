@@ -66,6 +66,7 @@ class Rapid:
     (:mod:`rapidspec.models.backend`); a request's ``DecodeConfig.drafter_backend``
     may pick another one. ``drafter_threads``: llama.cpp's threads (default: torch's).
     ``drafter_prefill``: ``auto``, ``beside`` or ``after`` the target's prefill (:mod:`rapidspec.drafting.factory`).
+    ``drafter_gguf``: ``auto`` (a fast-prefill copy of a Q4_1 file, :mod:`rapidspec.runtime.gguf_copy`) or ``as-is``.
     ``reuse_document_cache``: keep target caches in the prefix cache, and each
     drafter backend's last cache, for later prompts sharing a prefix.
     """
@@ -73,7 +74,7 @@ class Rapid:
     def __init__(self, target, drafter=None, retrieval=None, template: PromptTemplate | None = None,
                  prefill_chunk_tokens: int = 2048, reuse_document_cache: bool = True,
                  prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB, drafter_backend: str = "auto",
-                 drafter_threads: int | None = None, drafter_prefill: str = "auto") -> None:
+                 drafter_threads: int | None = None, drafter_prefill: str = "auto", drafter_gguf: str = "auto") -> None:
         from rapidspec.retrieval import RetrievalConfig, Retriever
 
         self.target = target
@@ -86,7 +87,7 @@ class Rapid:
         self.prefix_cache = PrefixCache(int(prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
         self.eos_token_ids = eos_token_ids(target)
         self.drafting = DrafterFactory(target, drafter, drafter_backend, drafter_threads, prefill_chunk_tokens,
-                                       keep=reuse_document_cache, prefill=drafter_prefill)
+                                       keep=reuse_document_cache, prefill=drafter_prefill, gguf=drafter_gguf)
         self.vocab_size = self.drafting.vocab_size
         self.grammar_tokens = GrammarTokens(self.tokenizer, max(self.vocab_size, len(self.tokenizer)),
                                             self.eos_token_ids)
@@ -98,7 +99,8 @@ class Rapid:
         target, drafter = spec.load()
         return cls(target, drafter, retrieval=retrieval, reuse_document_cache=reuse_document_cache,
                    prefix_cache_gib=spec.prefix_cache_gib, drafter_backend=spec.drafter_backend,
-                   drafter_threads=spec.drafter_threads, drafter_prefill=spec.drafter_prefill)
+                   drafter_threads=spec.drafter_threads, drafter_prefill=spec.drafter_prefill,
+                   drafter_gguf=spec.drafter_gguf)
 
     @property
     def drafter(self):

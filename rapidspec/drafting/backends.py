@@ -87,16 +87,24 @@ class TorchDrafters(DrafterPool):
 class LlamaCppDrafters(DrafterPool):
     """Drafters over llama.cpp contexts of one GGUF file."""
 
-    def __init__(self, gguf_path: Path, threads: int, target_tokenizer, name: str, keep: bool = True) -> None:
+    def __init__(self, gguf_path: Path, threads: int, target_tokenizer, name: str, keep: bool = True,
+                 gguf: str = "auto") -> None:
+        """``gguf``: ``auto`` reads a fast-prefill copy of a file whose weights have none
+        (:mod:`rapidspec.runtime.gguf_copy`), ``as-is`` the file itself."""
+        from rapidspec.runtime.gguf_copy import copy_type, fast_prefill_copy
         from rapidspec.runtime.llama_cpp import LlamaCppModel
 
         super().__init__(keep)
         try:
             self.model = LlamaCppModel(gguf_path, threads=threads)
-        except ValueError as exc:
+            description, kind = self.model.description, copy_type(self.model.description)
+            if gguf == "auto" and kind is not None:
+                self.model = LlamaCppModel(fast_prefill_copy(gguf_path, kind, threads), threads=threads)
+                description = f"{self.model.description}, from {description.rsplit(' ', 1)[-1]}"
+        except (ValueError, OSError) as exc:
             raise RapidspecError(f"cannot use {gguf_path} as a llama.cpp drafter: {exc}") from None
         check_llama_vocabulary(target_tokenizer, self.model)
-        self.label = f"{name} (llama.cpp, {self.model.description})"
+        self.label = f"{name} (llama.cpp, {description})"
         self.max_context = self.model.max_context
         self.logit_width = self.model.vocab_size
 

@@ -32,6 +32,7 @@ from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.drafting.modes import MODE_TABLE
 from rapidspec.errors import RapidspecError
 from rapidspec.models.vocabulary import check_same_vocabulary, logit_width
+from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
 from rapidspec.runtime.threads import compute_threads
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ class DrafterFactory:
     """The drafters of one engine over ``target``: see the module docstring."""
 
     def __init__(self, target, drafter=None, backend: str = "auto", threads: int | None = None,
-                 prefill_chunk_tokens: int = 2048, keep: bool = True, prefill: str = "auto") -> None:
+                 prefill_chunk_tokens: int = 2048, keep: bool = True, prefill: str = "auto",
+                 gguf: str = "auto") -> None:
         if drafter is not None and not isinstance(drafter, str) and drafter is not target:
             check_same_vocabulary(target.tokenizer, drafter.tokenizer)
         self.target = target
@@ -60,6 +62,9 @@ class DrafterFactory:
         if prefill not in DRAFTER_PREFILLS:
             raise RapidspecError(f"drafter_prefill must be one of {', '.join(DRAFTER_PREFILLS)}, got {prefill!r}")
         self.prefill = prefill
+        if gguf not in DRAFTER_GGUF_CHOICES:
+            raise RapidspecError(f"drafter_gguf must be one of {', '.join(DRAFTER_GGUF_CHOICES)}, got {gguf!r}")
+        self.gguf = gguf  # what a llama.cpp pool reads (rapidspec.runtime.gguf_copy)
         self._beside: ThreadPoolExecutor | None = None
         self.backend = choose_backend(backend, target, drafter)
         self._pools: dict[str, object] = {}
@@ -99,7 +104,8 @@ class DrafterFactory:
             name = "self" if source is None else getattr(source, "label", str(source))
             if backend == "llama.cpp":
                 gguf = gguf_file(self.target if source is None else source)
-                self._pools[backend] = LlamaCppDrafters(gguf, self.threads, self.target.tokenizer, name, keep=self.keep)
+                self._pools[backend] = LlamaCppDrafters(gguf, self.threads, self.target.tokenizer, name, keep=self.keep,
+                                                         gguf=self.gguf)
             else:
                 self._pools[backend] = TorchDrafters(self.model, self.prefill_chunk_tokens, name, keep=self.keep)
         return self._pools[backend]

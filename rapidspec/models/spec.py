@@ -15,6 +15,7 @@ from rapidspec.models.backend import DRAFTER_BACKENDS, DRAFTER_PREFILLS
 from rapidspec.errors import RapidspecError
 from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.models.loading import RUNTIMES
+from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
 from rapidspec.runtime.quantization import QUANTIZATIONS
 
@@ -30,6 +31,8 @@ class ModelSpec:
     asks for torch. ``drafter_threads``: llama.cpp's threads (None: torch's);
     ``drafter_prefill``: when a llama.cpp drafter prefills (``auto``: beside the
     target's prefill where the CPU has cores to spare, ``beside``, ``after``);
+    ``drafter_gguf``: ``auto`` reads a Q8_0 copy of a Q4_1 drafter file (it
+    prefills 2x faster, :mod:`rapidspec.runtime.gguf_copy`), ``as-is`` the file;
     ``prefix_cache_gib``: the engine's store of target caches.
     """
 
@@ -44,6 +47,7 @@ class ModelSpec:
     drafter_backend: str = "auto"
     drafter_threads: int | None = None
     drafter_prefill: str = "auto"
+    drafter_gguf: str = "auto"
     prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB
 
     def __post_init__(self) -> None:
@@ -55,6 +59,8 @@ class ModelSpec:
             raise RapidspecError("the target model name is empty")
         if self.drafter_prefill not in DRAFTER_PREFILLS:
             raise RapidspecError(f"drafter_prefill must be one of {', '.join(DRAFTER_PREFILLS)}, got {self.drafter_prefill!r}")
+        if self.drafter_gguf not in DRAFTER_GGUF_CHOICES:
+            raise RapidspecError(f"drafter_gguf must be one of {', '.join(DRAFTER_GGUF_CHOICES)}, got {self.drafter_gguf!r}")
         if self.drafter_threads is not None and self.drafter_threads < 1:
             raise RapidspecError(f"drafter_threads must be >= 1, got {self.drafter_threads}")
         if self.prefix_cache_gib < 0:

@@ -1,0 +1,72 @@
+"""A llama.cpp drafter reads a Q8_0 copy of a Q4_1 file (made once in the cache), or the file as it is."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from rapidspec import Rapid
+from rapidspec.errors import RapidspecError
+from rapidspec.models.spec import ModelSpec
+from rapidspec.retrieval import RetrievalConfig
+from rapidspec.runtime.gguf_copy import copy_path, copy_type, weight_type
+from rapidspec.runtime.llama_cpp import llama_cpp_available
+from tests.tiny_gguf import write_tiny_gguf
+
+if not llama_cpp_available() and torch.cuda.is_available():  # CUDA machines skip the llama.cpp build
+    pytest.skip("llama-cpp-python is not built on CUDA machines", allow_module_level=True)
+
+DOCUMENT = "\n\n".join(f"Paragraph {i}: the mill by the river ground {i} sacks of rye." for i in range(30))
+QUESTION = "How many sacks did the mill grind in paragraph 12?"
+RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=300)
+
+
+@pytest.fixture(scope="module")
+def q4_1_file(tiny_model, tmp_path_factory):
+    import llama_cpp as ll
+
+    folder = tmp_path_factory.mktemp("q4_1")
+    source = write_tiny_gguf(tiny_model, folder / "tiny-f32.gguf")
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = ll.LLAMA_FTYPE_MOSTLY_Q4_1
+    target = folder / "tiny.Q4_1.gguf"
+    assert ll.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
+    return target
+
+
+def test_weight_types_read_from_llama_cpp_descriptions():
+    assert weight_type("llama 256M Q4_1") == "Q4_1"
+    assert copy_type("llama 256M Q4_1") == "Q8_0"
+    assert copy_type("qwen2 1B Q4_K - Medium") is None and copy_type("llama ?B all F32") is None
+
+
+def test_a_q4_1_drafter_reads_its_q8_0_copy_made_once(tiny_model, q4_1_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path))
+    engine = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
+    assert "Q8_0, from Q4_1" in engine.drafter_label
+    copy = copy_path(q4_1_file, "Q8_0")
+    assert copy.is_file() and copy.parent.parent == tmp_path
+    written = copy.stat().st_mtime_ns
+    lc = Rapid(tiny_model, retrieval=RETRIEVAL).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24)
+    out = engine.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, gamma=4, max_new_tokens=24)
+    assert out.token_ids == lc.token_ids and out.stats.drafted_tokens > 0  # greedy, eta = 0: the target's answer
+
+    again = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
+    assert "Q8_0" in again.drafter_label and copy.stat().st_mtime_ns == written  # found, not written again
+    assert [p.name for p in copy.parent.iterdir()] == [copy.name]  # no partial file left
+
+
+def test_as_is_reads_the_file_itself(tiny_model, q4_1_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path))
+    engine = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="as-is")
+    assert engine.drafter_label.endswith("Q4_1)")
+    assert not (tmp_path / "gguf-copies").exists()
+
+
+def test_a_bad_choice_is_a_clear_error(tiny_model, q4_1_file):
+    with pytest.raises(RapidspecError, match="drafter_gguf must be one of auto, as-is"):
+        ModelSpec(drafter_gguf="q8")
+    with pytest.raises(RapidspecError, match="drafter_gguf must be one of"):
+        Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="q8")
