@@ -19,6 +19,11 @@ arrives or finishes its step. :data:`STRAGGLER_TIMEOUT_S` bounds the wait
 anyway: past it the forwards waiting run without the others (a step that
 blocks on another step's result can never deadlock the tick).
 
+Who runs a batch: by default the step whose arrival completes it; with
+:meth:`ForwardBatcher.serve`, the thread that serves the tick (the server's
+engine thread, the one thread with torch's threads:
+:mod:`rapidspec.runtime.threads`), while the steps' own threads compute alone.
+
 :func:`batching` makes a batcher current on the calling thread; caches
 consult :func:`current_batcher` (no batcher: the forward runs at once, as
 always).
@@ -28,7 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +84,7 @@ class ForwardBatcher:
         self.batches: list[int] = []  # rows of each batch run (for tests and logs)
         self._pending: list[_Pending] = []
         self._lock = threading.Condition()
+        self._served = False  # True while serve() runs the batches on its thread
 
     def forward(self, lean: LeanModel, row: Row) -> torch.Tensor:
         """Queue ``row`` of ``lean``, run the batch when the tick is ready, return this row's logits."""
@@ -86,8 +93,8 @@ class ForwardBatcher:
             self._pending.append(item)
             self._run_if_ready()
         if not item.done.wait(self.timeout_s):
-            with self._lock:  # stragglers: run what waits without them
-                if not item.done.is_set():
+            with self._lock:  # stragglers: run what waits without them (serve() does it on its thread)
+                if not item.done.is_set() and not self._served:
                     self._run()
             item.done.wait()
         if item.error is not None:
@@ -100,8 +107,31 @@ class ForwardBatcher:
             self.active -= 1
             self._run_if_ready()
 
+    def serve(self, finished: Callable[[], bool]) -> None:
+        """Run the tick's batches on this thread until ``finished()`` (every step done); the steps' threads
+        only queue their forwards and wait. Stragglers as in :meth:`forward`."""
+        with self._lock:
+            self._served = True
+            waited_since = None
+            while not (finished() and not self._pending):
+                if self._pending and waited_since is None:
+                    waited_since = time.monotonic()
+                if self._pending and (len(self._pending) >= self.active
+                                      or time.monotonic() - waited_since > self.timeout_s):
+                    self._run()
+                    waited_since = None
+                    continue
+                self._lock.wait(0.05)
+
+    def wake(self) -> None:
+        """Tell :meth:`serve` to look again (a step ended)."""
+        with self._lock:
+            self._lock.notify_all()
+
     def _run_if_ready(self) -> None:
-        if self._pending and len(self._pending) >= self.active:
+        if self._served:
+            self._lock.notify_all()
+        elif self._pending and len(self._pending) >= self.active:
             self._run()
 
     def _run(self) -> None:

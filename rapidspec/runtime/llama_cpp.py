@@ -14,6 +14,10 @@ one graph) and the ``llama.cpp`` peer of ``rapidspec bench``. Through
   follow are those of a fresh context over the kept tokens).
 
 Flash attention is off by default: on CPU it made a drafter step slower.
+Inside a server's batched tick (:mod:`rapidspec.runtime.batching`) a context
+decodes on one thread: the step's thread computes alone there
+(:mod:`rapidspec.runtime.threads`), and the decode gate lets as many contexts
+decode at once as there are cores.
 Logits come back as float32 torch tensors on the CPU.
 """
 
@@ -29,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rapidspec.runtime.batching import current_batcher
 from rapidspec.runtime.cache import HeldTokens
 
 logger = logging.getLogger(__name__)
@@ -86,7 +91,6 @@ class LlamaCppModel:
         self.path = Path(path)
         self.threads = threads
         self.flash_attention = flash_attention
-        self.gate = decode_gate(threads)
         ll.llama_backend_init()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -138,6 +142,7 @@ class LlamaCppContext(HeldTokens):
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {capacity} tokens for {model.path}")
         self.capacity = int(ll.llama_n_ctx(self._ctx))
+        self._threads = model.threads
         self._memory = ll.llama_get_memory(self._ctx)
 
     @property
@@ -152,10 +157,15 @@ class LlamaCppContext(HeldTokens):
         if self.length + len(token_ids) > self.capacity:
             raise ValueError(f"{self.length + len(token_ids)} tokens exceed the context's {self.capacity}")
         ll = self._ll
+        # inside a batched tick the step's thread computes alone (rapidspec.runtime.threads): one llama.cpp thread
+        threads = 1 if current_batcher() is not None else self.model.threads
+        if threads != self._threads:
+            ll.llama_set_n_threads(self._ctx, threads, threads)
+            self._threads = threads
         for start in range(0, len(token_ids), BATCH_TOKENS):
             part = [int(t) for t in token_ids[start : start + BATCH_TOKENS]]
             array = (ll.llama_token * len(part))(*part)
-            with self.model.gate:
+            with decode_gate(threads):
                 status = ll.llama_decode(self._ctx, ll.llama_batch_get_one(array, len(part)))
             if status != 0:
                 self.crop(self.length)  # keep memory and token list in step after a partial failure

@@ -25,7 +25,9 @@ order when their steps interleave.
 job by one step at once, each on a thread of a pool, and their forwards on
 the lean runtime run as one batched forward per model
 (:mod:`rapidspec.runtime.batching`): the weights are read once for all
-requests instead of once per request.
+requests instead of once per request. The batched forwards run on this
+worker's thread, the only one with torch's threads; the pool's threads
+compute alone (:mod:`rapidspec.runtime.threads`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.batching import ForwardBatcher, batching
-from rapidspec.runtime.threads import computing_thread
+from rapidspec.runtime.threads import computing_thread, helper_thread
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,8 @@ class Worker:
         self.max_queue = max_queue
         self.max_num_seqs = max_num_seqs
         self.batched = batched and max_num_seqs > 1
-        self._pool = ThreadPoolExecutor(max_num_seqs, thread_name_prefix="rapidspec-step") if self.batched else None
+        self._pool = ThreadPoolExecutor(max_num_seqs, thread_name_prefix="rapidspec-step",
+                                        initializer=helper_thread) if self.batched else None
         self.batch_rows: list[int] = []  # rows of each batched forward (recent ticks; /health, tests)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0
@@ -208,7 +211,11 @@ class Worker:
             with torch.inference_mode(), batching(batcher):
                 return _advance(steps)
 
-        outcomes = list(self._pool.map(step, [steps for _, steps in running]))
+        futures = [self._pool.submit(step, steps) for _, steps in running]
+        for future in futures:
+            future.add_done_callback(lambda _: batcher.wake())
+        batcher.serve(lambda: all(future.done() for future in futures))  # the batches run on this thread
+        outcomes = [future.result() for future in futures]
         self.batch_rows = (self.batch_rows + batcher.batches)[-BATCH_HISTORY:]
         for (job, steps), outcome in zip(running, outcomes):
             self._settle(job, steps, outcome)
