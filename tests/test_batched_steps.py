@@ -9,6 +9,7 @@ others (their target forwards are batched, their drafters step on their own).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -121,6 +122,36 @@ def test_a_straggler_does_not_block_the_tick(lean_target):
     assert out.shape[-1] > 0 and batcher.batches == [1] and time.perf_counter() - started < 5
 
 
+def test_a_served_tick_runs_its_batches_on_the_serving_thread(lean_target, monkeypatch):
+    """serve(): the steps' threads only queue their forwards; the batch runs on the thread with torch's threads."""
+    lean = lean_target.lean
+    ran_on: list[str] = []
+    forward_rows = LeanModel.forward_rows
+
+    def recording(self, rows):
+        ran_on.append(threading.current_thread().name)
+        return forward_rows(self, rows)
+
+    monkeypatch.setattr(LeanModel, "forward_rows", recording)
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5], [1]]
+    batcher = ForwardBatcher(len(prompts), served=True)
+
+    def run(prompt):
+        with torch.inference_mode(), batching(batcher):
+            return LeanKVCache(lean).forward(prompt)
+
+    with ThreadPoolExecutor(len(prompts), thread_name_prefix="step") as pool:
+        futures = [pool.submit(run, p) for p in prompts]
+        for future in futures:
+            future.add_done_callback(lambda _: batcher.wake())
+        batcher.serve(lambda: all(f.done() for f in futures))
+        outputs = [f.result() for f in futures]
+    assert batcher.batches == [3] and ran_on == [threading.current_thread().name]
+    monkeypatch.undo()
+    for prompt, logits in zip(prompts, outputs):
+        torch.testing.assert_close(logits, LeanKVCache(lean).forward(prompt), atol=1e-5, rtol=1e-5)
+
+
 def test_the_worker_batches_ticks_only_when_asked_and_with_several_jobs():
     assert Worker(0, 4, batched=True).batched and not Worker(0, 1, batched=True).batched
     assert not Worker(0, 4).batched
@@ -155,6 +186,25 @@ def test_requests_served_together_answer_as_alone(lean_target, lean_drafter, dra
     assert together == alone
     assert health["batch_steps"] is True
     assert max(apps[0].state.server.worker.batch_rows or [1]) > 1  # some forwards did run several rows
+
+
+def test_requests_served_together_answer_as_alone_with_a_llama_cpp_drafter(lean_target, tmp_path):
+    """The llama.cpp drafter steps on each request's thread (one llama.cpp thread inside a tick); the answers
+    equal those served one at a time (greedy)."""
+    from rapidspec.runtime.llama_cpp import llama_cpp_available
+    from tests.tiny_gguf import write_tiny_gguf
+
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    gguf = str(write_tiny_gguf(lean_target, tmp_path / "self.gguf"))
+    engine = Rapid(lean_target, gguf, retrieval=RETRIEVAL, drafter_backend="llama.cpp")
+    with running_server(engine, max_num_seqs=1, batch_steps=False) as url:
+        alone = _answers(url, QUESTIONS, "rapid", concurrently=False)
+    apps: list = []
+    with running_server(engine, apps, max_num_seqs=4, batch_steps=True) as url:
+        together = _answers(url, QUESTIONS, "rapid", concurrently=True)
+    assert together == alone
+    assert max(apps[0].state.server.worker.batch_rows or [1]) > 1
 
 
 def test_llama_cpp_contexts_decode_at_once_only_where_cores_allow():

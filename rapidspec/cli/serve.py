@@ -36,12 +36,13 @@ def register(subparsers) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")
     parser.add_argument("--max-num-seqs", type=int, default=4,
-                        help="requests the engine advances in turn, a round each, so a short answer is not held behind a "
-                             "long one; fewer when their windows do not fit the free memory (default: %(default)s)")
-    parser.add_argument("--batch-steps", action=argparse.BooleanOptionalAction, default=False,
+                        help="requests running at once (advanced together, or in turn with --no-batch-steps), so a "
+                             "short answer is not held behind a long one; fewer when their windows do not fit the free "
+                             "memory (default: %(default)s)")
+    parser.add_argument("--batch-steps", action=argparse.BooleanOptionalAction, default=True,
                         help="advance the running requests together, their target (and torch drafter) forwards on the "
-                             "lean runtime batched into one forward per step, instead of in turn (default: off; on 2 "
-                             "cores it was slower, docs/scaling.md)")
+                             "lean runtime batched into one forward per step (default: on; --no-batch-steps: in turn, "
+                             "a round each; docs/scaling.md)")
     parser.add_argument("--max-queue", type=int, default=16, help="requests that may wait beyond those; more get 429 (default: %(default)s)")
     parser.add_argument("--recent-messages", type=int, default=DEFAULT_RECENT_MESSAGES,
                         help="earlier chat messages the drafter always reads verbatim (default: %(default)s)")

@@ -22,6 +22,11 @@ Modules:
   prepacked float linear layers and int8/int4 weight-only layers.
 * :mod:`~rapidspec.runtime.native_dtype`: the dtype a device computes in
   natively (bfloat16 or float32), for models and the retrieval embedder.
+* :mod:`~rapidspec.runtime.llama_cpp` and :mod:`~rapidspec.runtime.gguf_copy`:
+  GGUF models on llama.cpp, and the fast-prefill copy of a Q4_1 file.
+* :mod:`~rapidspec.runtime.batching`: several generations' forwards as one.
+* :mod:`~rapidspec.runtime.threads`: the one thread of a process that uses
+  torch's (OpenMP) threads.
 """
 
 from __future__ import annotations

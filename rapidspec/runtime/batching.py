@@ -20,7 +20,7 @@ anyway: past it the forwards waiting run without the others (a step that
 blocks on another step's result can never deadlock the tick).
 
 Who runs a batch: by default the step whose arrival completes it; with
-:meth:`ForwardBatcher.serve`, the thread that serves the tick (the server's
+:meth:`ForwardBatcher.serve` (a batcher made with ``served=True``), the thread that serves the tick (the server's
 engine thread, the one thread with torch's threads:
 :mod:`rapidspec.runtime.threads`), while the steps' own threads compute alone.
 
@@ -76,7 +76,8 @@ class _Pending:
 class ForwardBatcher:
     """The forwards of one tick's ``participants`` steps, run together (see the module docstring)."""
 
-    def __init__(self, participants: int, timeout_s: float = STRAGGLER_TIMEOUT_S) -> None:
+    def __init__(self, participants: int, timeout_s: float = STRAGGLER_TIMEOUT_S, served: bool = False) -> None:
+        """``served``: the batches run on the thread calling :meth:`serve`, never on a step's."""
         if participants < 1:
             raise ValueError("a tick has at least one participant")
         self.active = participants  # steps not done yet
@@ -84,7 +85,7 @@ class ForwardBatcher:
         self.batches: list[int] = []  # rows of each batch run (for tests and logs)
         self._pending: list[_Pending] = []
         self._lock = threading.Condition()
-        self._served = False  # True while serve() runs the batches on its thread
+        self._served = served
 
     def forward(self, lean: LeanModel, row: Row) -> torch.Tensor:
         """Queue ``row`` of ``lean``, run the batch when the tick is ready, return this row's logits."""
@@ -110,8 +111,9 @@ class ForwardBatcher:
     def serve(self, finished: Callable[[], bool]) -> None:
         """Run the tick's batches on this thread until ``finished()`` (every step done); the steps' threads
         only queue their forwards and wait. Stragglers as in :meth:`forward`."""
+        if not self._served:
+            raise RuntimeError("serve() needs a batcher made with served=True")
         with self._lock:
-            self._served = True
             waited_since = None
             while not (finished() and not self._pending):
                 if self._pending and waited_since is None:

@@ -36,12 +36,12 @@ class ServerConfig:
     ``decode.max_model_len`` and ``decode.time_limit_s`` are the window and the
     seconds each request may use (requests cannot change them; the time is
     wall-clock, so the requests running alongside count). ``max_num_seqs``:
-    requests the engine advances in turn, a round each (fewer when their
+    requests running at once, together or in turn (fewer when their
     windows do not fit the free memory, :mod:`rapidspec.server.capacity`);
-    ``max_queue``: requests that may wait beyond those. ``batch_steps``:
-    advance the running requests together, their lean-runtime forwards in
-    one batched forward per model (:mod:`rapidspec.runtime.batching`), rather
-    than in turn. ``api_key``:
+    ``max_queue``: requests that may wait beyond those. ``batch_steps``
+    (default): advance the running requests together, their lean-runtime
+    forwards in one batched forward per model (:mod:`rapidspec.runtime.batching`);
+    False: in turn. ``api_key``:
     None = open; ``max_request_bytes``: larger bodies get 413;
     ``max_document_tokens``: what a request's texts may hold when it asks for
     truncation (None = 4 windows); ``read_timeout_s``: how long a client may
@@ -56,7 +56,7 @@ class ServerConfig:
     recent_messages: int = DEFAULT_RECENT_MESSAGES
     max_queue: int = 16
     max_num_seqs: int = 4
-    batch_steps: bool = False
+    batch_steps: bool = True
     disconnect_poll_seconds: float = 0.5
     api_key: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024

@@ -205,7 +205,7 @@ class Worker:
     def _tick(self) -> None:
         """One step of every running job at once, on the pool's threads, their lean forwards batched."""
         running = list(self._running)
-        batcher = ForwardBatcher(len(running))
+        batcher = ForwardBatcher(len(running), served=True)
 
         def step(steps: Iterator[None]) -> BaseException | None:
             with torch.inference_mode(), batching(batcher):
