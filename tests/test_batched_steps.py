@@ -152,6 +152,27 @@ def test_a_served_tick_runs_its_batches_on_the_serving_thread(lean_target, monke
         torch.testing.assert_close(logits, LeanKVCache(lean).forward(prompt), atol=1e-5, rtol=1e-5)
 
 
+def test_calls_run_on_the_serving_thread_and_their_errors_come_back():
+    """call(): a step hands the serving thread work too large for its lone thread (a llama.cpp prefill)."""
+    assert ForwardBatcher(1).call(lambda: threading.current_thread().name) == threading.current_thread().name
+    batcher = ForwardBatcher(2, served=True)
+
+    def step(fail: bool):
+        with batching(batcher):
+            if fail:
+                return batcher.call(lambda: 1 / 0)
+            return batcher.call(lambda: threading.current_thread().name)
+
+    with ThreadPoolExecutor(2, thread_name_prefix="step") as pool:
+        futures = [pool.submit(step, fail) for fail in (False, True)]
+        for future in futures:
+            future.add_done_callback(lambda _: batcher.wake())
+        batcher.serve(lambda: all(f.done() for f in futures))
+    assert futures[0].result() == threading.current_thread().name
+    with pytest.raises(ZeroDivisionError):
+        futures[1].result()
+
+
 def test_the_worker_batches_ticks_only_when_asked_and_with_several_jobs():
     assert Worker(0, 4, batched=True).batched and not Worker(0, 1, batched=True).batched
     assert not Worker(0, 4).batched

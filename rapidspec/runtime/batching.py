@@ -20,13 +20,11 @@ anyway: past it the forwards waiting run without the others (a step that
 blocks on another step's result can never deadlock the tick).
 
 Who runs a batch: by default the step whose arrival completes it; with
-:meth:`ForwardBatcher.serve` (a batcher made with ``served=True``), the thread that serves the tick (the server's
-engine thread, the one thread with torch's threads:
-:mod:`rapidspec.runtime.threads`), while the steps' own threads compute alone.
-
-:func:`batching` makes a batcher current on the calling thread; caches
-consult :func:`current_batcher` (no batcher: the forward runs at once, as
-always).
+:meth:`ForwardBatcher.serve` (a batcher made with ``served=True``), the
+thread that serves the tick (the server's engine thread, the one thread with
+torch's threads: :mod:`rapidspec.runtime.threads`), while the steps' own
+threads compute alone. :meth:`ForwardBatcher.call` hands that thread other
+work too large for a lone thread (a llama.cpp drafter's prefill).
 """
 
 from __future__ import annotations
@@ -73,6 +71,22 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass(eq=False)
+class _Call:
+    function: Callable[[], object]
+    result: object = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        try:
+            self.result = self.function()
+        except BaseException as err:  # raised again on the step's thread
+            self.error = err
+        finally:
+            self.done.set()
+
+
 class ForwardBatcher:
     """The forwards of one tick's ``participants`` steps, run together (see the module docstring)."""
 
@@ -84,6 +98,7 @@ class ForwardBatcher:
         self.timeout_s = timeout_s
         self.batches: list[int] = []  # rows of each batch run (for tests and logs)
         self._pending: list[_Pending] = []
+        self._calls: list[_Call] = []
         self._lock = threading.Condition()
         self._served = served
 
@@ -102,6 +117,20 @@ class ForwardBatcher:
             raise item.error
         return item.logits
 
+    def call(self, function: Callable[[], object]) -> object:
+        """``function()`` on the serving thread (:meth:`serve`, torch's threads) when this batcher is served,
+        else here: for work too large for a step's lone thread, such as a llama.cpp drafter's prefill."""
+        if not self._served:
+            return function()
+        item = _Call(function)
+        with self._lock:
+            self._calls.append(item)
+            self._lock.notify_all()
+        item.done.wait()  # serve() runs until every step is done, this one included
+        if item.error is not None:
+            raise item.error
+        return item.result
+
     def leave(self) -> None:
         """A participant's step is done: the others no longer wait for it."""
         with self._lock:
@@ -116,6 +145,14 @@ class ForwardBatcher:
         with self._lock:
             waited_since = None
             while not (finished() and not self._pending):
+                if self._calls:  # run without the lock: the other steps go on queueing meanwhile
+                    item = self._calls.pop(0)
+                    self._lock.release()
+                    try:
+                        item.run()
+                    finally:
+                        self._lock.acquire()
+                    continue
                 if self._pending and waited_since is None:
                     waited_since = time.monotonic()
                 if self._pending and (len(self._pending) >= self.active

@@ -15,9 +15,11 @@ one graph) and the ``llama.cpp`` peer of ``rapidspec bench``. Through
 
 Flash attention is off by default: on CPU it made a drafter step slower.
 Inside a server's batched tick (:mod:`rapidspec.runtime.batching`) a context
-decodes on one thread: the step's thread computes alone there
+decodes a step on one thread: the step's thread computes alone there
 (:mod:`rapidspec.runtime.threads`), and the decode gate lets as many contexts
-decode at once as there are cores.
+decode at once as there are cores; a prefill (:data:`SERVED_PREFILL_TOKENS`
+or more) is handed to the tick's serving thread and runs on all the
+context's threads.
 Logits come back as float32 torch tensors on the CPU.
 """
 
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 #: Tokens per llama_decode call during prefill (llama.cpp's n_batch).
 BATCH_TOKENS = 512
+#: Inside a server's batched tick, a feed of at least this many tokens (a prefill) runs on the serving thread.
+SERVED_PREFILL_TOKENS = 64
 #: Contexts are sized in multiples of this many tokens.
 CONTEXT_QUANTUM = 1024
 
@@ -156,9 +160,15 @@ class LlamaCppContext(HeldTokens):
             raise ValueError("a llama.cpp context returns the logits of the last token only")
         if self.length + len(token_ids) > self.capacity:
             raise ValueError(f"{self.length + len(token_ids)} tokens exceed the context's {self.capacity}")
+        batcher = current_batcher()
+        if batcher is None:
+            return self._decode(token_ids, self.model.threads)
+        if len(token_ids) >= SERVED_PREFILL_TOKENS:  # a prefill: on the tick's serving thread, with all threads
+            return batcher.call(lambda: self._decode(token_ids, self.model.threads))
+        return self._decode(token_ids, 1)  # a step on the step's own thread, which computes alone
+
+    def _decode(self, token_ids: Sequence[int], threads: int) -> torch.Tensor:
         ll = self._ll
-        # inside a batched tick the step's thread computes alone (rapidspec.runtime.threads): one llama.cpp thread
-        threads = 1 if current_batcher() is not None else self.model.threads
         if threads != self._threads:
             ll.llama_set_n_threads(self._ctx, threads, threads)
             self._threads = threads
