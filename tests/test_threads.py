@@ -82,3 +82,17 @@ def test_the_worker_thread_computes_with_torch_threads():
         return seen
 
     assert asyncio.run(scenario()) == [compute_threads()]
+
+
+def test_the_server_prepares_requests_on_helper_threads(tiny_model):
+    """Requests are sized and retrieved (the embedder runs torch) on threads without an OpenMP team."""
+    from rapidspec import Rapid
+    from rapidspec.server import ServerConfig, create_app
+
+    app = create_app(Rapid(tiny_model), ServerConfig(model_name="tiny"))
+    state = app.state.server
+    try:
+        assert state.preparer.submit(torch.get_num_threads).result(10) == 1
+    finally:
+        state.worker.stop(10)
+        state.preparer.shutdown()
