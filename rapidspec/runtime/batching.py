@@ -19,6 +19,10 @@ arrives or finishes its step. :data:`STRAGGLER_TIMEOUT_S` bounds the wait
 anyway: past it the forwards waiting run without the others (a step that
 blocks on another step's result can never deadlock the tick).
 
+:func:`batching` makes a batcher current on the calling thread; caches
+consult :func:`current_batcher` (no batcher: the forward runs at once, as
+always).
+
 Who runs a batch: by default the step whose arrival completes it; with
 :meth:`ForwardBatcher.serve` (a batcher made with ``served=True``), the
 thread that serves the tick (the server's engine thread, the one thread with
