@@ -70,3 +70,15 @@ def test_a_bad_choice_is_a_clear_error(tiny_model, q4_1_file):
         ModelSpec(drafter_gguf="q8")
     with pytest.raises(RapidspecError, match="drafter_gguf must be one of"):
         Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="q8")
+
+
+def test_a_cache_that_cannot_be_written_reads_the_file_as_it_is(tiny_model, q4_1_file, tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("RAPIDSPEC_CACHE", str(blocked))
+    with caplog.at_level("WARNING", logger="rapidspec.drafting.backends"):
+        engine = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
+    assert engine.drafter_label.endswith("Q4_1)")
+    assert "no Q8_0 copy for fast prefill" in caplog.text
+    out = engine.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, gamma=4, max_new_tokens=8)
+    assert out.stats.drafted_tokens > 0

@@ -13,6 +13,7 @@ checked against the target's token for token.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import torch
 from rapidspec.drafting.drafter import ModelDrafter
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.cache import common_prefix_length
+
+logger = logging.getLogger(__name__)
 
 class DrafterPool:
     """Makes drafters over caches of one kind and keeps the last closed cache for reuse (when ``keep``)."""
@@ -97,12 +100,15 @@ class LlamaCppDrafters(DrafterPool):
         super().__init__(keep)
         try:
             self.model = LlamaCppModel(gguf_path, threads=threads)
-            description, kind = self.model.description, copy_type(self.model.description)
-            if gguf == "auto" and kind is not None:
+        except ValueError as exc:
+            raise RapidspecError(f"cannot use {gguf_path} as a llama.cpp drafter: {exc}") from None
+        description, kind = self.model.description, copy_type(self.model.description)
+        if gguf == "auto" and kind is not None:
+            try:
                 self.model = LlamaCppModel(fast_prefill_copy(gguf_path, kind, threads), threads=threads)
                 description = f"{self.model.description}, from {description.rsplit(' ', 1)[-1]}"
-        except (ValueError, OSError) as exc:
-            raise RapidspecError(f"cannot use {gguf_path} as a llama.cpp drafter: {exc}") from None
+            except (ValueError, OSError) as exc:  # e.g. a cache directory that cannot be written
+                logger.warning("reading %s as it is: no %s copy for fast prefill (%s)", gguf_path, kind, exc)
         check_llama_vocabulary(target_tokenizer, self.model)
         self.label = f"{name} (llama.cpp, {description})"
         self.max_context = self.model.max_context

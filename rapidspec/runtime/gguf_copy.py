@@ -13,7 +13,8 @@ and 6.8 ms.
 The copy is written by ``llama_model_quantize`` (requantizing allowed) into
 ``gguf-copies/`` in the rapidspec cache directory, named by the source's name, size
 and modification time, and made once (a fraction of a second for the
-built-in model's 98 MB); later loads find it there.
+built-in model's 98 MB); later loads find it there. Where it cannot be
+written, the drafter pool reads the file as it is and logs a warning.
 """
 
 from __future__ import annotations
