@@ -25,6 +25,7 @@ from rapidspec.runtime.cache import common_prefix_length
 
 logger = logging.getLogger(__name__)
 
+
 class DrafterPool:
     """Makes drafters over caches of one kind and keeps the last closed cache for reuse (when ``keep``)."""
 
@@ -94,7 +95,7 @@ class LlamaCppDrafters(DrafterPool):
                  gguf: str = "auto") -> None:
         """``gguf``: ``auto`` reads a fast-prefill copy of a file whose weights have none
         (:mod:`rapidspec.runtime.gguf_copy`), ``as-is`` the file itself."""
-        from rapidspec.runtime.gguf_copy import copy_type, fast_prefill_copy
+        from rapidspec.runtime.gguf_copy import copy_type, fast_prefill_copy, weight_type
         from rapidspec.runtime.llama_cpp import LlamaCppModel
 
         super().__init__(keep)
@@ -106,7 +107,7 @@ class LlamaCppDrafters(DrafterPool):
         if gguf == "auto" and kind is not None:
             try:
                 self.model = LlamaCppModel(fast_prefill_copy(gguf_path, kind, threads), threads=threads)
-                description = f"{self.model.description}, from {description.rsplit(' ', 1)[-1]}"
+                description = f"{self.model.description}, from {weight_type(description)}"
             except (ValueError, OSError) as exc:  # e.g. a cache directory that cannot be written
                 logger.warning("reading %s as it is: no %s copy for fast prefill (%s)", gguf_path, kind, exc)
         check_llama_vocabulary(target_tokenizer, self.model)
