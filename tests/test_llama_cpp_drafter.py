@@ -19,6 +19,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.outputs import last_output
 from rapidspec.prompts import PromptPair
 from rapidspec.retrieval import RetrievalConfig
+from rapidspec.runtime.cache import common_prefix_length
 from rapidspec.runtime.llama_cpp import LlamaCppModel, llama_cpp_available
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -210,6 +211,22 @@ def test_cli_refuses_llama_cpp_without_a_gguf_in_one_line(tiny_model_dir, tmp_pa
                  "--drafter-backend", "llama.cpp", "--max-new-tokens", "4"])
     err = capsys.readouterr().err
     assert code == 2 and "reads GGUF files" in err and "Traceback" not in err
+
+
+def test_a_question_reuses_the_drafter_cache_of_an_earlier_one_not_only_the_last(tiny_model, ggufs):
+    """Questions retrieving different chunks in turn: each comes back to the cache whose retrieved text it shares."""
+    one_chunk = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=96)
+    engine = Rapid(tiny_model, ggufs["self"], retrieval=one_chunk, drafter_backend="llama.cpp")
+    other = "What shade was the lighthouse of paragraph 3?"
+    config = DecodeConfig(mode="rapid", eta=1.0, gamma=4, max_new_tokens=8)
+    first = engine.generate(DOCUMENT, QUESTION, config=config)
+    engine.generate(DOCUMENT, other, config=config)
+    again = engine.generate(DOCUMENT, QUESTION, config=config)
+    prompt = engine.document_prompts(DOCUMENT, QUESTION, config).drafter_ids
+    assert common_prefix_length(prompt, engine.document_prompts(DOCUMENT, other, config).drafter_ids) < len(prompt) / 2
+    assert again.stats.drafter_prefill_reused_tokens == len(prompt) - 1
+    assert again.token_ids == first.token_ids
+    assert engine.drafting.pool("llama.cpp").kept == 2
 
 
 @pytest.mark.parametrize("mode", ["ragsd", "rapid"])

@@ -1,10 +1,12 @@
 """Where a drafter's cache comes from: torch (any device) or llama.cpp (CPU, a GGUF file as it is).
 
 A backend makes the :class:`~rapidspec.drafting.drafter.ModelDrafter` of each
-generation and keeps the cache of the last one when it closes, so the next
-prompt prefills only what differs from it: another question about the same
-document, the next turn of a chat (llama-server's slots do the same). Two
-generations running at once each get a cache of their own.
+generation and keeps the caches of the last ones when they close (up to
+:data:`KEPT_CACHES`, :data:`KEPT_BYTES` in all), so a new prompt starts from
+the kept cache sharing its longest prefix and prefills only what differs:
+another question about the same document whose retrieved text starts the
+same, the next turn of a chat (llama-server's slots and prompt cache do the
+same). Generations running at once each get a cache of their own.
 
 Which backend drafts is decided once, with the models
 (:func:`rapidspec.models.backend.choose_backend`). llama.cpp's vocabulary is
@@ -26,17 +28,30 @@ from rapidspec.runtime.cache import common_prefix_length
 logger = logging.getLogger(__name__)
 
 
+#: Closed drafter caches a pool keeps for later generations (the server's running requests each hold one more).
+KEPT_CACHES = 8
+#: The most bytes of key/value memory the kept caches may hold together: the oldest go first beyond it (the
+#: newest is kept whatever its size, so a long document's drafter cache serves its next question).
+KEPT_BYTES = 512 * 2**20
+#: A kept cache is reused when it shares this many tokens with the new prompt, or half of a shorter prompt
+#: (or the pool is full).
+REUSE_MIN_TOKENS = 128
+
+
 class DrafterPool:
-    """Makes drafters over caches of one kind and keeps the last closed cache for reuse (when ``keep``)."""
+    """Makes drafters over caches of one kind and keeps closed caches for reuse (when ``keep``): a new drafter
+    starts from the kept cache sharing the longest prefix with its prompt (:meth:`_take`)."""
 
     label = ""
     max_context = 0
     logit_width = 0
 
-    def __init__(self, keep: bool = True) -> None:
+    def __init__(self, keep: bool = True, kept_caches: int = KEPT_CACHES, kept_bytes: int = KEPT_BYTES,
+                 reuse_min_tokens: int = REUSE_MIN_TOKENS) -> None:
         self.keep = keep
-        self._idle = None
-        self._idle_lock = threading.Lock()  # a drafter may start on the factory's prefill thread
+        self.kept_caches, self.kept_bytes, self.reuse_min_tokens = kept_caches, kept_bytes, reuse_min_tokens
+        self._idle: list[tuple[object, int]] = []  # (cache, bytes), oldest first
+        self._idle_lock = threading.Lock()  # drafters start and close on several threads (server steps, prefills)
 
     def _new_cache(self, tokens: int):
         raise NotImplementedError
@@ -50,9 +65,8 @@ class DrafterPool:
         ``room``: tokens the answer may add (max new tokens and drafts).
         """
         wanted = list(prompt_ids[:-1])
-        with self._idle_lock:
-            cache, self._idle = self._idle, None
-        if cache is None or not self._fits(cache, len(prompt_ids) + room):
+        cache = self._take(wanted, len(prompt_ids) + room)
+        if cache is None:
             cache = self._new_cache(len(prompt_ids) + room)
         cache.reserve(len(prompt_ids) + room)  # allocated once for the whole generation
         reused = common_prefix_length(cache.token_ids, wanted)
@@ -60,13 +74,43 @@ class DrafterPool:
         cache.prefill(wanted[reused:])
         return ModelDrafter(cache, list(prompt_ids), vocab_size, target_device, on_close=self._keep), reused
 
-    def _keep(self, cache) -> None:
+    def _take(self, wanted: list[int], tokens: int):
+        """A kept cache of at least ``tokens`` positions for ``wanted``, or None (make a new one).
+
+        The one sharing the longest prefix when it shares :attr:`reuse_min_tokens` or half of ``wanted``; else,
+        when the pool is full, the oldest (it would be the next to go); else None, so that a prompt sharing
+        little (the template's header) does not spend a cache another prompt would reuse (a new llama.cpp
+        context costs about as much as prefilling 30 tokens).
+        """
         with self._idle_lock:
-            self._idle = cache if self.keep else None
+            fitting = [i for i, (cache, _) in enumerate(self._idle) if self._fits(cache, tokens)]
+            if not fitting:
+                return None
+            shared = [common_prefix_length(self._idle[i][0].token_ids, wanted) for i in fitting]
+            best = fitting[shared.index(max(shared))]  # ties: the oldest
+            if max(shared) >= min(self.reuse_min_tokens, len(wanted) / 2):
+                return self._idle.pop(best)[0]
+            return self._idle.pop(fitting[0])[0] if len(self._idle) >= self.kept_caches else None
+
+    def _keep(self, cache) -> None:
+        if not self.keep:
+            return
+        size = cache.memory_bytes()
+        with self._idle_lock:
+            self._idle.append((cache, size))
+            while len(self._idle) > 1 and (len(self._idle) > self.kept_caches
+                                           or sum(b for _, b in self._idle) > self.kept_bytes):
+                self._idle.pop(0)  # the newest stays, whatever its size
+
+    @property
+    def kept(self) -> int:
+        """How many closed caches the pool holds."""
+        return len(self._idle)
 
     def clear(self) -> None:
-        """Forget the kept cache."""
-        self._idle = None
+        """Forget the kept caches."""
+        with self._idle_lock:
+            self._idle = []
 
 
 class TorchDrafters(DrafterPool):

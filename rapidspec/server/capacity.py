@@ -3,8 +3,10 @@
 Each running request holds its target cache, allocated once for its prompt
 and answer (at most the window), and the prefix cache may grow to its bound.
 The worker admits ``concurrent_sequences(...)`` requests at once; the rest
-wait in the queue. The drafter's cache is left out: it holds the retrieved
-text and the answer, a small part of the window.
+wait in the queue. The drafters' caches are left out: each holds the
+retrieved text and the answer, a small part of the window, and the caches
+the drafter pool keeps for reuse hold at most
+:data:`~rapidspec.drafting.backends.KEPT_BYTES` beyond the newest.
 """
 
 from __future__ import annotations
