@@ -28,25 +28,19 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rapidspec.bench.inputs import positive_ints
 from rapidspec.errors import RapidspecError
 from rapidspec.models import load_model
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.lean import Row
 
 
-def int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="builtin")
     parser.add_argument("--context", type=int, default=7000, help="tokens in each row's cache (default: %(default)s)")
-    parser.add_argument("--rows", type=int_list, default=[1, 2, 4, 8])
-    parser.add_argument("--tokens", type=int_list, default=[1, 4], help="new tokens per row (1: a plain step)")
+    parser.add_argument("--rows", type=positive_ints, default=[1, 2, 4, 8])
+    parser.add_argument("--tokens", type=positive_ints, default=[1, 4], help="new tokens per row (1: a plain step)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)

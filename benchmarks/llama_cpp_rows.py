@@ -39,17 +39,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from rapidspec.bench.inputs import positive_ints
 from rapidspec.errors import RapidspecError
 from rapidspec.models.backend import gguf_file
 from rapidspec.runtime.gguf_copy import copy_type, fast_prefill_copy
 from rapidspec.runtime.llama_cpp import LlamaCppModel, llama_cpp_available
-
-
-def int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
 
 
 class SharedSequences:
@@ -154,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="builtin", help="a model whose GGUF drafts for it, or a .gguf path")
     parser.add_argument("--copy", choices=("auto", "as-is"), default="auto")
     parser.add_argument("--context", type=int, default=430, help="tokens each sequence holds (default: %(default)s)")
-    parser.add_argument("--rows", type=int_list, default=[1, 2, 4, 8])
-    parser.add_argument("--threads", type=int_list, default=[1, 2])
+    parser.add_argument("--rows", type=positive_ints, default=[1, 2, 4, 8])
+    parser.add_argument("--threads", type=positive_ints, default=[1, 2])
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
     try:

@@ -204,3 +204,16 @@ def test_engine_and_share_prefill_must_agree(tiny_model):
     engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
     with pytest.raises(RapidspecError, match="reuse_document_cache=True"):
         speed.run_benchmark(engine, [speed.BenchItem(DOCUMENT, QUESTION)], ("lc",), repeats=1, share_prefill=True)
+
+
+def test_positive_ints_takes_a_comma_list_and_refuses_the_rest():
+    import argparse
+
+    from rapidspec.bench.inputs import positive_ints
+
+    assert positive_ints("1,2, 4,8") == [1, 2, 4, 8]
+    for bad in ("", "0,1", "-2", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
+            positive_ints(bad)
+    with pytest.raises(ValueError):  # argparse reports it as an invalid value
+        positive_ints("two")

@@ -7,6 +7,7 @@ Parsing and validation of the benchmark's inputs (user mistakes raise
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,14 @@ class BenchItem:
     document: str
     question: str
     length: int = 0
+
+
+def positive_ints(text: str) -> list[int]:
+    """An ``argparse`` type: positive integers separated by commas (``1,2,4,8``), as the benchmarks take them."""
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
 
 
 def parse_lengths(text: str | Sequence[int], max_context: int) -> tuple[int, ...]:
