@@ -19,6 +19,8 @@ from rapidspec.grammar.spec import Grammar
 
 Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
 GAMMA_SCHEDULES: tuple[str, ...] = ("auto", "constant", "heuristic", "cost")
+#: When the drafter is prepared (``DecodeConfig.drafter_start``).
+DRAFTER_STARTS: tuple[str, ...] = ("auto", "first")
 #: Smallest temperature that samples; below it logits / T overflow (0 is greedy).
 MIN_TEMPERATURE = 1e-5
 #: The largest temperature and eta: z / T and eta * g stay finite in float32 (and far past any useful value).
@@ -55,16 +57,21 @@ class DecodeConfig:
     * ``gamma``: drafted tokens per round. ``gamma_schedule="heuristic"``
       grows it by 2 after a fully accepted round and shrinks it by 1 otherwise
       (between 1 and ``max_gamma``), as transformers' assisted generation does.
-      ``"cost"`` drafts ``gamma`` in the first round, then the k in [0,
-      ``max_gamma``] with the most expected tokens per second from the step
-      costs and acceptance measured so far; k = 0 is a plain target step,
-      whose token follows p even when eta > 0, taken only when every drafting
-      round is expected to be slower per token
-      (:mod:`rapidspec.drafting.gamma_schedule`). Its choices follow measured
-      times, so with eta > 0 (or sampling) two runs of one request may differ;
-      ``"constant"`` drafts ``gamma`` every round and is reproducible.
-      ``"auto"`` (default): ``cost``, or ``constant`` when ``seed`` is given
-      (a seed asks for answers that repeat; :attr:`resolved_gamma_schedule`).
+      ``"cost"`` drafts the k in [0, ``max_gamma``] with the most expected
+      tokens per second from the machine's calibrated step costs
+      (:mod:`rapidspec.drafting.calibration`) and the answer's own acceptance
+      so far; k = 0 is a plain target step, whose token follows p even when
+      eta > 0, taken only when every drafting round is expected to be slower
+      per token (:mod:`rapidspec.drafting.gamma_schedule`). Its choices never
+      follow the clock: a request gets the same rounds alone, in a batch or on
+      a busy machine. ``"constant"`` drafts ``gamma`` every round.
+      ``"auto"`` (default) is ``cost``.
+    * ``drafter_start``: ``auto`` (default): the first token is the target's
+      (plain step after its prefill); retrieval and the drafter's prefill run
+      in bounded pieces between the next rounds, only while the expected
+      saving over the rest of the answer exceeds their cost, and the drafter
+      joins once ready (:mod:`rapidspec.drafting.join`). ``first``: both run
+      before the first round and every round may draft (the paper's setting).
     * ``draft_confidence``: a round stops drafting after a token the drafter
       gave a probability below this (q at temperature 1 when greedy, else the
       filtered q it was sampled from); 0 = always draft ``gamma`` tokens. The
@@ -101,6 +108,7 @@ class DecodeConfig:
     gamma: int = 6
     gamma_schedule: Literal["auto", "constant", "heuristic", "cost"] = "auto"
     max_gamma: int = 16
+    drafter_start: Literal["auto", "first"] = "auto"
     draft_confidence: float = 0.0
     temperature: float = 0.0
     top_k: int = 0
@@ -132,6 +140,8 @@ class DecodeConfig:
         _check_count("max_gamma", self.max_gamma, 1, MAX_GAMMA)
         if self.gamma_schedule not in GAMMA_SCHEDULES:
             raise RapidspecError(f"gamma_schedule must be one of {', '.join(GAMMA_SCHEDULES)}, got {self.gamma_schedule!r}")
+        if self.drafter_start not in DRAFTER_STARTS:
+            raise RapidspecError(f"drafter_start must be one of {', '.join(DRAFTER_STARTS)}, got {self.drafter_start!r}")
         if self.max_gamma < self.gamma:
             raise RapidspecError(f"max_gamma ({self.max_gamma}) must be >= gamma ({self.gamma})")
         if not (0.0 <= self.draft_confidence < 1.0):
@@ -170,10 +180,8 @@ class DecodeConfig:
 
     @property
     def resolved_gamma_schedule(self) -> str:
-        """The schedule the rounds follow: ``auto`` is ``constant`` with a ``seed``, else ``cost``."""
-        if self.gamma_schedule != "auto":
-            return self.gamma_schedule
-        return "constant" if self.seed is not None else "cost"
+        """The schedule the rounds follow: ``auto`` is ``cost``."""
+        return "cost" if self.gamma_schedule == "auto" else self.gamma_schedule
 
     @property
     def effective_eta(self) -> float:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 from rapidspec.drafting import MODE_TABLE
 from rapidspec.errors import ContextLengthError, RapidspecError
-from rapidspec.prompts import PromptPair, chat_template_ids, cut_middle, text_ids
+from rapidspec.prompts import TEMPLATE_TOKENS, DeferredDrafterPrompt, PromptPair, chat_template_ids, cut_middle, text_ids
 from rapidspec.retrieval import CHUNK_SEPARATOR
 
 logger = logging.getLogger(__name__)
@@ -197,8 +197,10 @@ def chat_prompts(
     query: str | None = None,
     recent_messages: int = DEFAULT_RECENT_MESSAGES,
     raw: bool = False,
+    defer: bool = False,
 ) -> PromptPair:
-    """The target's and the drafter's prompts of a conversation (see the module docstring)."""
+    """The target's and the drafter's prompts of a conversation (see the module docstring); ``defer`` as in
+    :func:`rapidspec.prompts.document_prompts`."""
     if recent_messages < 0:
         raise RapidspecError(f"recent_messages must be >= 0, got {recent_messages}", param="recent_messages")
     if query is not None and not query.strip():
@@ -208,46 +210,68 @@ def chat_prompts(
     rest = list(messages[n_system:])
     earlier, last = rest[:-1], rest[-1]
     question = next((m.content for m in reversed(rest) if m.role == "user"), last.content)  # after tools too
-    retrieval, turns = None, ()
     spec = MODE_TABLE[mode]
-    wants_retrieval = spec.uses_retrieval
+    target_reads_retrieved = spec.target_reads == "retrieved"
+    deferring = defer and spec.uses_retrieval and not target_reads_retrieved
 
     def with_system(extra: str) -> list[Message]:
         text = CHUNK_SEPARATOR.join(t for t in (system_text, extra) if t)
         return [Message("system", text)] if text else []
 
+    # What retrieval reads (None: nothing to retrieve from), and the long messages the target reads.
+    corpus_text, corpus_turns, recent, pasted = None, None, [], None
     if documents:
         long_messages = with_documents(messages, documents)
-        short_messages = long_messages
-        if wants_retrieval:
-            retrieval = retriever.retrieve(CHUNK_SEPARATOR.join(documents), query or question)
-            short_messages = with_documents(messages, (retrieval.text,), RETRIEVED_SOURCE)
+        corpus_text = CHUNK_SEPARATOR.join(documents)
     elif earlier:
         long_messages = with_system("") + rest
-        short_messages = long_messages
         recent = earlier[len(earlier) - recent_messages :] if recent_messages else []
-        corpus = earlier[: len(earlier) - len(recent)]
-        if wants_retrieval and any(m.content.strip() for m in corpus):
-            retrieval = retriever.retrieve_segments([m.content for m in corpus], query or question)
-            kept, picked = _retrieved_turns(corpus, retrieval)
-            turns = tuple(n_system + i for i in picked)
-            short_messages = with_system("") + kept + recent + [last]
+        corpus_turns = earlier[: len(earlier) - len(recent)]
+        if not any(m.content.strip() for m in corpus_turns):
+            corpus_turns = None
     else:
         long_messages = with_system("") + [last]
-        short_messages = long_messages
-        corpus_text, separator, tail = _split_pasted(last.content)
-        if wants_retrieval and corpus_text.strip():
-            retrieval = retriever.retrieve(corpus_text, query or tail)
-            short_messages = with_system("") + [Message("user", retrieval.text + separator + tail)]
+        pasted = _split_pasted(last.content)
+        corpus_text = pasted[0] if pasted[0].strip() else None
 
-    target_reads_retrieved = spec.target_reads == "retrieved"
-    target_messages = short_messages if target_reads_retrieved else long_messages
+    def retrieve() -> tuple[object, tuple[int, ...], list[Message]]:
+        """(retrieval, the turns it picked, the short messages the drafter reads)."""
+        if not spec.uses_retrieval or (corpus_text is None and corpus_turns is None):
+            return None, (), long_messages
+        if documents:
+            retrieval = retriever.retrieve(corpus_text, query or question)
+            return retrieval, (), with_documents(messages, (retrieval.text,), RETRIEVED_SOURCE)
+        if corpus_turns is not None:
+            retrieval = retriever.retrieve_segments([m.content for m in corpus_turns], query or question)
+            kept, picked = _retrieved_turns(corpus_turns, retrieval)
+            return retrieval, tuple(n_system + i for i in picked), with_system("") + kept + recent + [last]
+        retrieval = retriever.retrieve(corpus_text, query or pasted[2])
+        return retrieval, (), with_system("") + [Message("user", retrieval.text + pasted[1] + pasted[2])]
+
     document_at = 0 if documents else None  # the system message that holds them
-    target_ids, truncated = fit_messages(tokenizer, target_messages, target_window, truncate, raw, document_at)
-    drafter_ids = None
-    if spec.drafter_reads in ("full", "retrieved"):  # a streaming view is the engine's
+
+    def drafter_prompt(short_messages, target_messages) -> tuple[int, ...] | None:
+        if spec.drafter_reads not in ("full", "retrieved"):  # a streaming view is the engine's
+            return None
         drafter_messages = short_messages if spec.drafter_reads == "retrieved" else target_messages
-        drafter_ids = tuple(fit_messages(tokenizer, drafter_messages, drafter_window, truncate, raw, document_at)[0])
+        return tuple(fit_messages(tokenizer, drafter_messages, drafter_window, truncate, raw, document_at)[0])
+
+    if deferring:
+        target_ids, truncated = fit_messages(tokenizer, long_messages, target_window, truncate, raw, document_at)
+        target_ids = tuple(target_ids)
+
+        def resolve() -> PromptPair:
+            found, turns, short_messages = retrieve()
+            return PromptPair(target_ids, drafter_prompt(short_messages, long_messages), found, truncated,
+                              retrieved_turns=turns)
+
+        embed = 0 if corpus_text is None else retriever.tokens_to_embed(corpus_text, len(target_ids))
+        deferred = DeferredDrafterPrompt(resolve, retriever.drafter_budget(len(target_ids)) + TEMPLATE_TOKENS, embed)
+        return PromptPair(target_ids, None, None, truncated, deferred=deferred)
+    retrieval, turns, short_messages = retrieve()
+    target_messages = short_messages if target_reads_retrieved else long_messages
+    target_ids, truncated = fit_messages(tokenizer, target_messages, target_window, truncate, raw, document_at)
+    drafter_ids = drafter_prompt(short_messages, target_messages)
     return PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, target_reads_retrieved, turns)
 
 

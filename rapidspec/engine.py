@@ -32,9 +32,19 @@ from rapidspec import sampling
 from rapidspec.config import DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
 from rapidspec.drafting import NO_PROPOSAL
+from rapidspec.drafting.calibration import (
+    CostBook,
+    DrafterCosts,
+    TargetCosts,
+    context_bucket,
+    measure_drafter,
+    measure_embedding,
+    measure_verify,
+)
 from rapidspec.drafting.eta_default import EtaWarnings, resolve_eta
 from rapidspec.drafting.factory import DrafterFactory, drop_started
-from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
+from rapidspec.drafting.gamma_schedule import GammaSchedule, StepCosts, new_schedule
+from rapidspec.drafting.join import AcceptanceMemory, DrafterJoin
 from rapidspec.drafting.rounds import Rounds, sync as device_sync
 from rapidspec.errors import RapidspecError
 from rapidspec.grammar import GrammarTokens, apply_mask
@@ -52,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 # Reuse a stored target cache only when it saves at least this many tokens.
 MIN_REUSED_PREFIX_TOKENS = 64
+# Verify costs are calibrated from forwards of 1 and of this many tokens (at most max_gamma + 1).
+VERIFY_PROBE_TOKENS = 8
 
 
 class Rapid:
@@ -92,6 +104,8 @@ class Rapid:
         self.grammar_tokens = GrammarTokens(self.tokenizer, max(self.vocab_size, len(self.tokenizer)),
                                             self.eos_token_ids)
         self._eta_warnings = EtaWarnings()
+        self.costs = CostBook()  # the machine's calibrated step costs (rapidspec.drafting.calibration)
+        self.acceptance = AcceptanceMemory()  # earlier answers' acceptance: the drafter's start decision reads it
 
     @classmethod
     def from_spec(cls, spec, retrieval=None, reuse_document_cache: bool = True) -> "Rapid":
@@ -171,11 +185,12 @@ class Rapid:
     def document_prompts(self, document: str, question: str, config: DecodeConfig, query: str | None = None,
                          corpus: str | None = None, retriever=None,
                          template: PromptTemplate | None = None) -> PromptPair:
-        """The target's and drafter's prompts of a (document, question) pair (the options as in :meth:`stream`)."""
+        """The target's and drafter's prompts of a (document, question) pair (the options as in :meth:`stream`);
+        with ``config.drafter_start="auto"`` retrieval waits for the drafter's preparation (``PromptPair.deferred``)."""
         target_window, drafter_window = self._windows(config)
         return document_prompts(
             self.tokenizer, template or self.template, retriever or self.retriever, document, question, config,
-            target_window, drafter_window, query=query, corpus=corpus,
+            target_window, drafter_window, query=query, corpus=corpus, defer=config.drafter_start == "auto",
         )
 
     def chat_prompts(self, messages, config: DecodeConfig, *, documents=None, query: str | None = None,
@@ -188,7 +203,7 @@ class Rapid:
             template_tokenizer(self.tokenizer, tools), retriever or self.retriever, parse_messages(messages),
             parse_documents(documents), mode=config.mode,
             target_window=target_window, drafter_window=drafter_window, truncate=config.truncate, query=query,
-            recent_messages=recent_messages, raw=raw,
+            recent_messages=recent_messages, raw=raw, defer=config.drafter_start == "auto",
         )
         return with_streaming_drafter(pair, config, drafter_window)
 
@@ -210,6 +225,7 @@ class Rapid:
         them all inside ``torch.inference_mode()``, as the server's worker does). ``config.time_limit_s``
         ends the answer with stop reason ``time`` (a RapidspecError when the prefill alone takes longer).
         """
+        generation_started = time.perf_counter()
         config, eta_source = resolve_eta(config, self.drafter_relation, self._eta_warnings)
         stats = GenerationStats.starting(config, prompts)
         stats.eta_source = eta_source
@@ -243,29 +259,41 @@ class Rapid:
                 raise
             device_sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
-            started = time.perf_counter()
-            drafter = self.drafting.started(beside, prompts, config, stats, target_device)
-            stats.drafter_prefill_seconds = time.perf_counter() - started  # beside: the wait after the target's
+            join = DrafterJoin(self.drafting, prompts, config, stats, target_device, self._target_costs(config),
+                               self._drafter_costs, self.acceptance.estimates(config.max_gamma),
+                               self._embedding_cost, beside)
+            drafter, costs = None, None
+            if config.drafter_start == "first":
+                started = time.perf_counter()
+                drafter = join.now()
+                stats.drafter_prefill_seconds = time.perf_counter() - started  # beside: the wait after the target's
+                if drafter is not None:
+                    stats.drafter_joined_at, stats.drafter_join_seconds = 0, time.perf_counter() - generation_started
+                if drafter is not None and config.resolved_gamma_schedule == "cost" and schedule is None:
+                    costs = self._step_costs(config, target_cache, target_seq)
 
             # 2-5 decode
             # (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
+            run = Rounds(generation_started, config, sampling.SamplingParams.of(config), stats, generator, target_cache, target_seq,
+                         drafter, schedule or (None if drafter is None else new_schedule(config, costs)),
+                         frozenset() if config.ignore_eos else self.eos_token_ids, profile,
+                         self.vocab_size if drafter is None else drafter.vocab_size, out_of_time, grammar, join=join,
+                         fixed_schedule=schedule)
             try:
-                vocab = self.vocab_size if drafter is None else drafter.vocab_size  # rows and logits, same tokens
-                sync = profile or (config.resolved_gamma_schedule == "cost" and drafter is not None)  # cost: exact times
-                run = Rounds(config, sampling.SamplingParams.of(config), stats, generator, target_cache, target_seq,
-                             drafter, schedule or new_schedule(config),
-                             frozenset() if config.ignore_eos else self.eos_token_ids, sync, vocab, out_of_time, grammar)
                 yield from self._decode(run, prompts, observer)
                 consistent = True
             except GeneratorExit:
                 consistent = True
                 raise
             finally:
-                if drafter is not None:
-                    drafter.close(keep=consistent)
+                join.close()
+                if run.drafter is not None:
+                    run.drafter.close(keep=consistent)
                 if use_store and consistent:
                     self.prefix_cache.store(target_cache)  # the cache is the store's from now on
+                if consistent and run.drafter is not None and run.drafter.cache is not None:
+                    self.acceptance.record(stats.drafted_per_position, stats.accepted_per_position)
 
     def clear_document_cache(self) -> None:
         """Forget every stored target cache and the drafters' kept caches (the next prefills start from scratch)."""
@@ -273,6 +301,34 @@ class Rapid:
         self.drafting.clear()
 
     # ------------------------------------------------------------ internals
+    def _target_costs(self, config: DecodeConfig):
+        """``measure(cache, seq)``: the calibrated v(n) of the target at the context bucket of ``seq``."""
+        tokens = min(VERIFY_PROBE_TOKENS, config.max_gamma + 1)
+        target = self.target
+        label = f"target {target.label} {target.dtype} {target.device.type} {target.runtime}"
+
+        def measure(cache, seq: list[int]) -> TargetCosts:
+            key = f"{label} | verify at {context_bucket(len(seq))} tokens, n = 1 and {tokens}"
+            return self.costs.get(TargetCosts, key, lambda: measure_verify(cache, seq[cache.length :], tokens))
+
+        return measure
+
+    def _drafter_costs(self, config: DecodeConfig) -> DrafterCosts:
+        """The calibrated step and prefill costs of the drafter ``config`` drafts with."""
+        pool = self.drafting.pool(config.drafter_backend)
+        token = next(iter(self.eos_token_ids), 0)
+        return self.costs.get(DrafterCosts, self.drafting.costs_key(config), lambda: measure_drafter(pool.new_cache, token))
+
+    def _embedding_cost(self) -> float:
+        """Calibrated seconds per document token the engine's retriever embeds."""
+        config = self.retriever.config
+        key = f"embedder {config.embedding_model} {config.embedding_dtype} on {config.device or 'auto'}"
+        return self.costs.get(float, key, lambda: measure_embedding(self.retriever.embedder, self.tokenizer))
+
+    def _step_costs(self, config: DecodeConfig, cache, seq: list[int]) -> StepCosts:
+        target = self._target_costs(config)(cache, seq)
+        return StepCosts(self._drafter_costs(config).step, target.base, target.per_token)
+
     def _windows(self, config: DecodeConfig) -> tuple[int, int]:
         """Prompt tokens that fit the target's and the drafter's windows with the answer."""
         window = min(self.target.max_context, config.max_model_len or self.target.max_context)
@@ -301,12 +357,15 @@ class Rapid:
 
     def _decode(self, run: Rounds, prompts: PromptPair, observer) -> Iterator[StreamChunk]:
         """Steps 2-5 until the answer ends, then the final chunk with the output."""
-        config, stats, drafter, cache, seq = run.config, run.stats, run.drafter, run.target_cache, run.target_seq
+        config, stats, cache, seq = run.config, run.stats, run.target_cache, run.target_seq
         prompt_length = len(seq)
         assembler = TextAssembler(self.tokenizer, config.stop)
         started = time.perf_counter()
         while True:
             remaining = config.max_new_tokens - (len(seq) - prompt_length)
+            if len(seq) > prompt_length:  # the drafter's preparation: one bounded piece between two rounds
+                run.prepare_drafter(prompt_length, remaining, new_schedule)
+            drafter = run.drafter
             # 2 draft
             t0 = time.perf_counter()
             requested = 0 if drafter is None else run.schedule.next_drafts()
@@ -352,17 +411,20 @@ class Rapid:
                 drafter.commit(emitted)
             if observer is not None:
                 observer(cache, seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
+            if emitted and not stats.time_to_first_token:
+                stats.time_to_first_token = time.perf_counter() - run.started
             if text or emitted:
                 yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs, round=measured)
             if finished:
                 break
         device_sync(cache.device)
-        stats.decode_seconds = time.perf_counter() - started
+        stats.decode_seconds = time.perf_counter() - started - run.prepare_seconds
         stats.new_tokens = len(seq) - prompt_length
         stats.stop_reason = finished
         generated = tuple(seq[prompt_length:])
-        if drafter is not None:
-            assert tuple(drafter.sequence[len(prompts.drafter_ids) :]) == generated
+        prompts = run.join.prompts  # with the drafter's prompt and retrieval once they were prepared
+        if run.drafter is not None:
+            assert tuple(run.drafter.sequence[len(prompts.drafter_ids) :]) == generated
         output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
                                   None if config.logprobs is None else tuple(run.logprobs))
         yield StreamChunk(text="", token_ids=(), output=output)

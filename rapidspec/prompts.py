@@ -13,6 +13,7 @@ kept, as LongBench does) with a warning, or refused with ``truncate="error"``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from rapidspec.config import DecodeConfig
@@ -20,6 +21,9 @@ from rapidspec.drafting import MODE_TABLE, streaming_view
 from rapidspec.errors import ContextLengthError, RapidspecError
 
 logger = logging.getLogger(__name__)
+
+#: What the template adds to the retrieved text in the drafter's prompt, at most (an estimate before retrieval).
+TEMPLATE_TOKENS = 128
 
 DEFAULT_BODY = (
     "Please read the following {source} and answer the question below.\n\n"
@@ -44,6 +48,21 @@ class PromptPair:
     truncated_tokens: int = 0
     target_reads_retrieved: bool = False
     retrieved_turns: tuple[int, ...] = ()
+    deferred: DeferredDrafterPrompt | None = None  # retrieval and drafter_ids, built when the drafter is prepared
+
+
+@dataclass(frozen=True)
+class DeferredDrafterPrompt:
+    """Retrieval and the drafter's prompt, left until the drafter is prepared (:mod:`rapidspec.drafting.join`).
+
+    ``resolve()`` retrieves and returns the complete :class:`PromptPair` (the same target prompt);
+    ``drafter_tokens``: an upper estimate of the drafter's prompt (the retrieval budget and the template);
+    ``embed_tokens``: document tokens retrieval embeds first (0: the index is built, or the method embeds nothing).
+    """
+
+    resolve: Callable[[], PromptPair]
+    drafter_tokens: int
+    embed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,11 +187,14 @@ def document_prompts(
     drafter_window: int,
     query: str | None = None,
     corpus: str | None = None,
+    defer: bool = False,
 ) -> PromptPair:
     """The prompts of a (document, question) pair for ``config.mode``.
 
     ``corpus``: the text retrieval reads instead of ``document`` (an unrelated
     document, for robustness studies); the target still reads ``document``.
+    ``defer``: where the target reads the whole document, leave retrieval and the
+    drafter's prompt to :attr:`PromptPair.deferred` (run when the drafter is prepared).
     """
     if not document or not document.strip():
         raise RapidspecError("the document is empty", param="document")
@@ -181,18 +203,33 @@ def document_prompts(
     spec = MODE_TABLE[config.mode]
     if corpus is not None and not corpus.strip():
         raise RapidspecError("the retrieval corpus is empty", param="corpus")
-    retrieval = retriever.retrieve(corpus or document, query or question) if spec.uses_retrieval else None
     target_reads_retrieved = spec.target_reads == "retrieved"
-    target_doc = retrieval.text if target_reads_retrieved else document
-    target_doc, truncated = fit_document(tokenizer, template, target_doc, question, target_window, config.truncate)
-    target_ids = prompt_ids(tokenizer, template, target_doc, question, target_reads_retrieved)
-    drafter_ids = None
-    if spec.drafter_reads in ("full", "retrieved"):  # a streaming view is made below
+
+    def retrieve():
+        return retriever.retrieve(corpus or document, query or question) if spec.uses_retrieval else None
+
+    def drafter_prompt(retrieval, target_doc: str) -> tuple[int, ...] | None:
+        if spec.drafter_reads not in ("full", "retrieved"):  # a streaming view is made below
+            return None
         drafter_reads_retrieved = spec.drafter_reads == "retrieved"
         drafter_doc = retrieval.text if drafter_reads_retrieved else target_doc
         drafter_doc, _ = fit_document(tokenizer, template, drafter_doc, question, drafter_window, config.truncate)
-        drafter_ids = tuple(prompt_ids(tokenizer, template, drafter_doc, question, drafter_reads_retrieved))
-    pair = PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, target_reads_retrieved)
+        return tuple(prompt_ids(tokenizer, template, drafter_doc, question, drafter_reads_retrieved))
+
+    deferring = defer and spec.uses_retrieval and not target_reads_retrieved
+    retrieval = None if deferring else retrieve()
+    target_doc = retrieval.text if target_reads_retrieved else document
+    target_doc, truncated = fit_document(tokenizer, template, target_doc, question, target_window, config.truncate)
+    target_ids = tuple(prompt_ids(tokenizer, template, target_doc, question, target_reads_retrieved))
+    if deferring:
+        def resolve() -> PromptPair:
+            found = retrieve()
+            return PromptPair(target_ids, drafter_prompt(found, target_doc), found, truncated)
+
+        deferred = DeferredDrafterPrompt(resolve, retriever.drafter_budget(len(target_ids)) + TEMPLATE_TOKENS,
+                                         retriever.tokens_to_embed(corpus or document, len(target_ids)))
+        return PromptPair(target_ids, None, None, truncated, deferred=deferred)
+    pair = PromptPair(target_ids, drafter_prompt(retrieval, target_doc), retrieval, truncated, target_reads_retrieved)
     return with_streaming_drafter(pair, config, drafter_window)
 
 

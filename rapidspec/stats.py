@@ -49,7 +49,10 @@ class GenerationStats:
     drafter_prefill_seconds: float = 0.0  # with the drafter prefilling beside the target: the wait after it
     drafter_prefill_own_seconds: float = 0.0  # the drafter's prefill itself, when it ran beside the target's
     drafter_prefill_beside: bool = False
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # the rounds alone: retrieval and drafter prefill between them are counted above
+    time_to_first_token: float = 0.0  # seconds from the start of the generation (its prefill) to its first token
+    drafter_joined_at: int | None = None  # answer tokens before the first drafting round (None: it never joined)
+    drafter_join_seconds: float | None = None  # seconds from the start of the generation to that round
     # Where decode time goes (see ``rapidspec bench --profile``).
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -68,12 +71,16 @@ class GenerationStats:
         """The stats of decoding ``prompts`` (a PromptPair) with ``config`` (a DecodeConfig), before the first round."""
         stats = cls(mode=config.mode, eta=config.effective_eta, gamma=config.gamma, gamma_schedule=config.resolved_gamma_schedule)
         stats.prompt_tokens_target = len(prompts.target_ids)
-        stats.prompt_tokens_drafter = len(prompts.drafter_ids) if prompts.drafter_ids is not None else 0
-        if (found := prompts.retrieval) is not None:
-            stats.retrieval_seconds, stats.retrieved_tokens = found.seconds, found.num_tokens
-            stats.retrieved_chunks = len(found.chunks)
         stats.document_tokens_truncated = prompts.truncated_tokens
+        stats.add_resolved_prompts(prompts)
         return stats
+
+    def add_resolved_prompts(self, prompts) -> None:
+        """The drafter's prompt and retrieval of ``prompts`` (known once a deferred retrieval ran)."""
+        self.prompt_tokens_drafter = len(prompts.drafter_ids) if prompts.drafter_ids is not None else 0
+        if (found := prompts.retrieval) is not None:
+            self.retrieval_seconds, self.retrieved_tokens = found.seconds, found.num_tokens
+            self.retrieved_chunks = len(found.chunks)
 
     def add_round(self, round_: RoundRecord) -> None:
         """Count a round and add its times to draft, verify and accept seconds."""
@@ -116,6 +123,25 @@ class GenerationStats:
     def per_position_acceptance(self) -> list[float]:
         """Fraction of drafts at position i (0-based) that were accepted."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def speculative_decoding(self) -> dict:
+        """The per-request speculative metrics in the schema of vLLM's OpenAI server (``metrics.speculative_decoding``).
+
+        Counted over the rounds that drafted (``num_drafts``); ``mean_acceptance_length`` = 1 + accepted / drafts
+        (None without drafts); ``acceptance_histogram[i]``: drafting rounds that accepted exactly i drafts.
+        Example: two rounds of 3 drafts accepting 3 and 1 -> accepted per position [2, 1, 1], histogram [0, 1, 0, 1].
+        """
+        drafts = self.rounds - self.plain_rounds
+        reached = [drafts] + list(self.accepted_per_position)  # rounds accepting at least i drafts
+        histogram = [reached[i] - (reached[i + 1] if i + 1 < len(reached) else 0) for i in range(len(reached))]
+        return {
+            "num_drafts": drafts,
+            "num_draft_tokens": self.drafted_tokens,
+            "num_accepted_draft_tokens": self.accepted_tokens,
+            "mean_acceptance_length": 1.0 + self.accepted_tokens / drafts if drafts else None,
+            "draft_acceptance_rate": self.acceptance_rate,
+            "acceptance_histogram": histogram if drafts else [],
+        }
 
     @property
     def decode_tokens_per_second(self) -> float | None:

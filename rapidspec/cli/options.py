@@ -7,7 +7,7 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
-from rapidspec.config import GAMMA_SCHEDULES, MODES, DecodeConfig
+from rapidspec.config import DRAFTER_STARTS, GAMMA_SCHEDULES, MODES, DecodeConfig
 from rapidspec.models.backend import DRAFTER_BACKENDS, DRAFTER_PREFILLS
 from rapidspec.errors import RapidspecError
 from rapidspec.grammar import Grammar
@@ -60,9 +60,13 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
     group.add_argument("--eta", type=float, default=None, help="retrieval-augmented target strength (rapid only; default: by how the drafter relates to the target, 1 for self-speculation)")
     group.add_argument("--gamma", type=int, default=_DEFAULT_DECODE.gamma, help="drafted tokens per round (default: %(default)s)")
     group.add_argument("--gamma-schedule", default=_DEFAULT_DECODE.gamma_schedule, choices=GAMMA_SCHEDULES,
-                       help="auto (cost, or constant when --seed is given); constant; heuristic (adapt gamma to "
-                            "acceptance); cost (choose each round's drafts, 0 = a plain step, from measured step costs "
-                            "and acceptance) (default: %(default)s)")
+                       help="auto (cost); constant; heuristic (adapt gamma to acceptance); cost (choose each round's "
+                            "drafts, 0 = a plain step, from the machine's calibrated step costs and the answer's "
+                            "acceptance) (default: %(default)s)")
+    group.add_argument("--drafter-start", default=_DEFAULT_DECODE.drafter_start, choices=DRAFTER_STARTS,
+                       help="auto: the first token is the target's, retrieval and the drafter's prefill run between "
+                            "the next rounds while they pay and the drafter joins when ready; first: both before "
+                            "the first round, every round drafts (the paper's setting; default: %(default)s)")
     group.add_argument("--max-gamma", type=int, default=_DEFAULT_DECODE.max_gamma, help="largest gamma of the heuristic and cost schedules")
     group.add_argument("--draft-confidence", type=float, default=_DEFAULT_DECODE.draft_confidence,
                        help="stop a round's drafting after a draft the drafter gave a probability below this; 0 = off (default: %(default)s)")

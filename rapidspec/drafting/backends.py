@@ -59,20 +59,35 @@ class DrafterPool:
     def _fits(self, cache, tokens: int) -> bool:
         return True
 
-    def start(self, prompt_ids, room: int, vocab_size: int, target_device: torch.device) -> tuple[ModelDrafter, int]:
-        """A drafter over ``prompt_ids`` whose cache holds ``prompt_ids[:-1]``, and how many of them were reused.
-
-        ``room``: tokens the answer may add (max new tokens and drafts).
-        """
+    def begin(self, prompt_ids, room: int, vocab_size: int, target_device: torch.device) -> PendingDrafter:
+        """A drafter over ``prompt_ids`` whose prefill runs in pieces (:class:`PendingDrafter`), from the kept
+        cache sharing the longest prefix with ``prompt_ids[:-1]``. ``room``: tokens the answer may add."""
         wanted = list(prompt_ids[:-1])
         cache = self._take(wanted, len(prompt_ids) + room)
         if cache is None:
             cache = self._new_cache(len(prompt_ids) + room)
         cache.reserve(len(prompt_ids) + room)  # allocated once for the whole generation
-        reused = common_prefix_length(cache.token_ids, wanted)
-        cache.crop(reused)
-        cache.prefill(wanted[reused:])
-        return ModelDrafter(cache, list(prompt_ids), vocab_size, target_device, on_close=self._keep), reused
+        cache.crop(common_prefix_length(cache.token_ids, wanted))
+        return PendingDrafter(self, cache, list(prompt_ids), vocab_size, target_device)
+
+    def start(self, prompt_ids, room: int, vocab_size: int, target_device: torch.device) -> tuple[ModelDrafter, int]:
+        """A drafter over ``prompt_ids`` whose cache holds ``prompt_ids[:-1]``, and how many of them were reused."""
+        pending = self.begin(prompt_ids, room, vocab_size, target_device)
+        reused = pending.reused
+        pending.advance(None)
+        return pending.drafter(), reused
+
+    def kept_prefix(self, prompt_ids) -> int:
+        """Tokens of ``prompt_ids[:-1]`` the kept cache :meth:`begin` would take already holds (0: a new cache)."""
+        wanted = list(prompt_ids[:-1])
+        with self._idle_lock:
+            shared = [common_prefix_length(cache.token_ids, wanted) for cache, _ in self._idle]
+        best = max(shared, default=0)
+        return best if best >= min(self.reuse_min_tokens, len(wanted) / 2) else 0
+
+    def new_cache(self, tokens: int):
+        """A fresh cache with room for ``tokens`` (never kept: measuring costs)."""
+        return self._new_cache(tokens)
 
     def _take(self, wanted: list[int], tokens: int):
         """A kept cache of at least ``tokens`` positions for ``wanted``, or None (make a new one).
@@ -111,6 +126,42 @@ class DrafterPool:
         """Forget the kept caches."""
         with self._idle_lock:
             self._idle = []
+
+
+class PendingDrafter:
+    """A drafter whose prefill runs in pieces between rounds: its cache holds a prefix of ``prompt_ids[:-1]``.
+
+    :meth:`advance` prefills up to n more tokens (None: all); once :attr:`ready`, :meth:`drafter` gives the
+    :class:`~rapidspec.drafting.drafter.ModelDrafter`; :meth:`close` hands an unfinished cache back to its pool
+    (what it holds is a consistent prefix, which the next prompt may reuse).
+    """
+
+    def __init__(self, pool: DrafterPool, cache, prompt_ids: list[int], vocab_size: int,
+                 target_device: torch.device) -> None:
+        self.pool, self.cache, self.prompt_ids = pool, cache, prompt_ids
+        self.vocab_size, self.target_device = vocab_size, target_device
+        self.reused = cache.length
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt_ids) - 1 - self.cache.length
+
+    @property
+    def ready(self) -> bool:
+        return self.left <= 0
+
+    def advance(self, tokens: int | None) -> None:
+        start = self.cache.length
+        end = len(self.prompt_ids) - 1 if tokens is None else min(len(self.prompt_ids) - 1, start + tokens)
+        if end > start:
+            self.cache.prefill(self.prompt_ids[start:end])
+
+    def drafter(self) -> ModelDrafter:
+        return ModelDrafter(self.cache, self.prompt_ids, self.vocab_size, self.target_device, on_close=self.pool._keep)
+
+    def close(self) -> None:
+        self.pool._keep(self.cache)
 
 
 class TorchDrafters(DrafterPool):

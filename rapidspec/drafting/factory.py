@@ -116,9 +116,22 @@ class DrafterFactory:
             return None
         return self.pool(config.drafter_backend).max_context or None
 
+    def drafter_kind(self, config) -> str | None:
+        """``model``, ``lookup`` or None: what drafts in ``config.mode`` (:mod:`.modes`)."""
+        return MODE_TABLE[config.mode].drafter_kind
+
     def start(self, prompts, config, stats, device: torch.device):
         """The drafter of this generation, prefilled on its prompt (None for modes without one)."""
-        kind = MODE_TABLE[config.mode].drafter_kind
+        pending = self.begin(prompts, config, stats, device)
+        if pending is None or isinstance(pending, LookupDrafter):
+            return pending
+        pending.advance(None)
+        return pending.drafter()
+
+    def begin(self, prompts, config, stats, device: torch.device):
+        """The drafter of this generation before its prefill: a :class:`~.backends.PendingDrafter` for a
+        model, a ready :class:`~.lookup.LookupDrafter`, or None for modes without one."""
+        kind = self.drafter_kind(config)
         if kind is None or prompts.drafter_ids is None:
             return None
         if kind == "lookup":
@@ -128,8 +141,21 @@ class DrafterFactory:
         stats.drafter = pool.label
         room = config.max_new_tokens + config.max_gamma + 2
         vocab = min(logit_width(self.target.model), pool.logit_width)
-        drafter, stats.drafter_prefill_reused_tokens = pool.start(prompts.drafter_ids, room, vocab, device)
-        return drafter
+        pending = pool.begin(prompts.drafter_ids, room, vocab, device)
+        stats.drafter_prefill_reused_tokens = pending.reused
+        return pending
+
+    def kept_prefix(self, prompts, config) -> int:
+        """Tokens of the drafter's prompt a kept cache already holds (0 without a model drafter)."""
+        if self.drafter_kind(config) != "model" or prompts.drafter_ids is None:
+            return 0
+        return self.pool(config.drafter_backend).kept_prefix(prompts.drafter_ids)
+
+    def costs_key(self, config) -> str:
+        """What a drafter's measured costs are kept under: its pool's label and threads."""
+        pool = self.pool(config.drafter_backend)
+        threads = f"{self.threads} threads" if isinstance(pool, LlamaCppDrafters) else ""
+        return f"drafter {pool.label} {threads}".strip()
 
     def prefills_beside(self, config) -> bool:
         """Whether this generation's drafter prefills while the target prefills (module docstring)."""
@@ -142,8 +168,8 @@ class DrafterFactory:
         return self.prefill == "beside" or spare_cores() >= self.threads
 
     def start_beside(self, prompts, config, stats, device: torch.device) -> Future | None:
-        """:meth:`start` on the factory's own thread when :meth:`prefills_beside` (else None); the future holds
-        (drafter, seconds it took)."""
+        """:meth:`start` on the factory's own thread when :meth:`prefills_beside` (else None), retrieval first
+        when ``prompts`` defer it; the future holds (the resolved prompts, the drafter, seconds it took)."""
         if not self.prefills_beside(config):
             return None
         stats.drafter_prefill_beside = True
@@ -152,21 +178,24 @@ class DrafterFactory:
 
         def run():
             started = time.perf_counter()
-            drafter = self.start(prompts, config, stats, device)
-            return drafter, time.perf_counter() - started
+            ready = prompts
+            if ready.deferred is not None:  # retrieval first, on this thread too
+                ready = ready.deferred.resolve()
+            drafter = self.start(ready, config, stats, device)
+            return ready, drafter, time.perf_counter() - started
 
         return self._beside.submit(run)
 
     def started(self, beside: Future | None, prompts, config, stats, device: torch.device):
-        """The generation's drafter: from ``beside`` (:meth:`start_beside`) when given, else :meth:`start` now
-        (synchronised with its device, so the time around this call is the drafter's prefill)."""
+        """(prompts, drafter) of the generation: from ``beside`` (:meth:`start_beside`) when given, else
+        :meth:`start` now (synchronised with its device, so the time around this call is the drafter's prefill)."""
         if beside is not None:
-            drafter, stats.drafter_prefill_own_seconds = beside.result()
-            return drafter
+            prompts, drafter, stats.drafter_prefill_own_seconds = beside.result()
+            return prompts, drafter
         drafter = self.start(prompts, config, stats, device)
         if drafter is not None and drafter.cache is not None and drafter.device.type == "cuda":
             torch.cuda.synchronize(drafter.device)
-        return drafter
+        return prompts, drafter
 
     def clear(self) -> None:
         """Forget the caches the pools keep (the next drafter prefill starts from scratch)."""
@@ -179,7 +208,7 @@ def drop_started(beside: Future | None) -> None:
     if beside is None:
         return
     try:
-        drafter, _ = beside.result()
+        _, drafter, _ = beside.result()
     except Exception:  # noqa: BLE001  (the prefill's own error is the one raised)
         logger.debug("the drafter's prefill beside a stopped target prefill failed", exc_info=True)
         return

@@ -1,27 +1,26 @@
 """How many tokens to draft each round: the schedules of ``DecodeConfig.gamma_schedule``.
 
-``auto`` (the default) is ``cost``, or ``constant`` when the request has a seed.
+``auto`` (the default) is ``cost``.
 
 * ``constant``: always ``gamma``.
 * ``heuristic``: transformers' assisted-generation rule: +2 after a round that
   kept every draft, -1 otherwise, within [1, ``max_gamma``].
 * ``cost``: a cost model, so that a round is never expected to cost more per
-  token than a plain target step. Measured as the generation runs:
+  token than a plain target step:
 
       d          seconds per drafter forward (one drafted token)
-      v(n)       seconds to verify n tokens (target forward + acceptance math),
-                 a weighted least-squares line base + per_token * n through the
-                 running median of each n
-      a_i        P(draft i accepted | drafts 1..i-1 accepted), from decayed
-                 counts with a weak Beta prior
+      v(n)       seconds to verify n tokens, base + per_token * n
+      a_i        P(draft i accepted | drafts 1..i-1 accepted), from the answer's
+                 own decayed counts with a weak Beta prior
 
-  A round of k drafts then emits on average E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
-  tokens and costs C(k) = k * d + v(k + 1) (+ d * prod_{j<=k} a_j when eta > 0:
-  the drafter forward at the bonus position). The schedule drafts the k in
-  [0, max_gamma] with the most tokens per second E(k) / C(k) (measured costs:
-  at most EXTRAPOLATE_TOKENS more verified tokens than any round so far); k = 0 is a
-  plain target step (E = 1, C = v(1)), so speculation has to beat it: a round
-  is never expected to cost more per token than a plain step.
+  d and v(n) are the machine's calibrated costs (:mod:`.calibration`), never
+  a round's measured time, so the same request gets the same rounds alone,
+  in a batch or on a busy machine. A round of k drafts then emits on average
+  E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens and costs C(k) = k * d + v(k + 1)
+  (+ d * prod_{j<=k} a_j when eta > 0: the drafter forward at the bonus
+  position). The schedule drafts the k in [0, max_gamma] with the most tokens
+  per second E(k) / C(k); k = 0 is a plain target step (E = 1, C = v(1)), so
+  speculation has to beat it.
 
 A schedule answering 0 asks the engine for a plain step: one target forward,
 the token drawn from p, no drafter forward. With eta > 0 that token follows p,
@@ -38,8 +37,6 @@ The engine asks :meth:`next_drafts` before a round and reports the round to
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -55,10 +52,6 @@ FIRST_POSITION_PRIOR = 0.5
 # Before every drafting round the acceptance counts are multiplied by this, so an
 # observation k rounds old weighs ACCEPTANCE_DECAY**k (about 10 rounds' memory).
 ACCEPTANCE_DECAY = 0.9
-# Running medians: verify seconds over the last VERIFY_WINDOW rounds that verified n
-# tokens (per n), drafter seconds per forward over the last DRAFT_WINDOW rounds.
-VERIFY_WINDOW = 8
-DRAFT_WINDOW = 16
 # After PROBE_EVERY - 1 plain rounds in a row the next round drafts PROBE_DRAFTS
 # tokens, so the acceptance estimates can recover. A probe after which the costs
 # still choose a plain step doubles the interval (up to MAX_PROBE_EVERY); a
@@ -69,15 +62,6 @@ DRAFT_WINDOW = 16
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 64
 PROBE_DRAFTS = 2
-# A drafter step's cost d is measured on rounds whose first drafter forward fed at most this
-# many tokens: after plain rounds the drafter first catches up on every token it missed, in
-# one forward that costs several steps, and counting it as one step made d look dearer than
-# it is (on a 26K-token document probes then never showed that drafting pays).
-CATCH_UP_TOKENS = 2
-# Measured costs plan rounds verifying at most this many tokens more than the largest
-# round measured so far: the straight line v(n) is only trusted near its data (on the
-# built-in model it underestimated long verifies and the schedule drafted too long).
-EXTRAPOLATE_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -187,34 +171,6 @@ def acceptance_estimates(
     return estimates
 
 
-def verify_line(points: Sequence[tuple[int, float, float]]) -> tuple[float, float] | None:
-    """(base, per_token) of the weighted least-squares line through ``points`` of (n, seconds, weight).
-
-    None when fewer than two distinct n have weight (no slope). Both stay
-    >= 0: a negative slope (noise) becomes 0 with the weighted mean as base, a
-    negative base 0 with the line through the origin.
-    Example: [(1, 0.2, 1), (3, 0.3, 1)] -> (0.15, 0.05).
-    """
-    weight = sum(w for _, _, w in points)
-    if len({n for n, _, w in points if w > 0}) < 2:
-        return None
-    mean_n = sum(w * n for n, _, w in points) / weight
-    mean_s = sum(w * s for _, s, w in points) / weight
-    spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
-    slope = max(0.0, sum(w * (n - mean_n) * (s - mean_s) for n, s, w in points) / spread)
-    if mean_s - slope * mean_n < 0:
-        return 0.0, sum(w * n * s for n, s, w in points) / sum(w * n * n for n, _, w in points)
-    return mean_s - slope * mean_n, slope
-
-
-def calibration_drafts(verified: Sequence[int], k_min: int, k_max: int) -> int:
-    """The smallest k in [k_min, k_max] verifying a token count not in ``verified`` (k_min if none).
-
-    Used while one round size only has been measured, to learn v(n)'s slope.
-    """
-    return next((k for k in range(k_min, k_max + 1) if k + 1 not in verified), k_min)
-
-
 # ------------------------------------------------------------- the schedules
 class GammaSchedule(Protocol):
     def next_drafts(self) -> int:
@@ -257,21 +213,17 @@ class HeuristicSchedule:
 
 
 class CostSchedule:
-    """The ``cost`` schedule: running estimates of d, v(n) and a_i, and the choice of k.
+    """The ``cost`` schedule: the answer's acceptance estimates a_i, the calibrated ``costs``, and the choice of k.
 
-    The first round drafts ``gamma``; its costs are not recorded (first calls
-    warm kernels and allocators). Until a drafter step and two round sizes have
-    been measured, rounds draft ``gamma`` and then one calibration size.
-    ``fixed_costs`` replaces the measured costs (tests, what-if analysis).
+    The first round drafts ``gamma`` (the drafter joined because drafting was expected to pay); later rounds
+    choose k from the costs and the answer's own acceptance.
     """
 
-    def __init__(self, gamma: int, max_gamma: int, eta: float, fixed_costs: StepCosts | None = None) -> None:
-        self.gamma, self.max_gamma, self.fixed_costs = gamma, max_gamma, fixed_costs
+    def __init__(self, gamma: int, max_gamma: int, eta: float, costs: StepCosts) -> None:
+        self.gamma, self.max_gamma, self.costs = gamma, max_gamma, costs
         self.k_min, self.bonus_forward = 0, eta > 0  # k = 0: a plain step (module docstring)
         self.accepted_weight = [0.0] * max_gamma  # [max_gamma] decayed accepted counts per position
         self.observed_weight = [0.0] * max_gamma  # [max_gamma] decayed reached counts per position
-        self.draft_step_samples: deque[float] = deque(maxlen=DRAFT_WINDOW)
-        self.verify_samples: dict[int, deque[float]] = {}  # n verified -> recent seconds
         self.rounds = 0
         self.plain_streak = 0  # plain rounds in a row just done
         self.probe_every = PROBE_EVERY  # the interval now (see MAX_PROBE_EVERY)
@@ -280,32 +232,13 @@ class CostSchedule:
     def acceptance(self) -> list[float]:
         return acceptance_estimates(self.accepted_weight, self.observed_weight)
 
-    def costs(self) -> StepCosts | None:
-        """The step costs to plan with, None while they are not all measured."""
-        if self.fixed_costs is not None:
-            return self.fixed_costs
-        points = [(n, statistics.median(s), len(s)) for n, s in self.verify_samples.items()]
-        line = verify_line(points)
-        if not self.draft_step_samples or line is None or line[0] + line[1] <= 0:
-            return None
-        return StepCosts(statistics.median(self.draft_step_samples), *line)
-
     def next_drafts(self) -> int:
         if self.rounds == 0:
             return self.gamma
         if self.plain_streak >= self.probe_every - 1:
             self.probed = True
             return min(PROBE_DRAFTS, self.max_gamma)
-        costs = self.costs()
-        if costs is None:
-            if not self.draft_step_samples or not self.verify_samples:
-                return self.gamma
-            # calibrating with drafts keeps eta > 0's tokens on p^ until the costs say a plain step pays
-            return calibration_drafts(list(self.verify_samples), int(self.bonus_forward), self.max_gamma)
-        k_max = self.max_gamma
-        if self.fixed_costs is None:  # round k verifies k + 1 tokens
-            k_max = max(self.k_min, min(k_max, max(self.verify_samples) - 1 + EXTRAPOLATE_TOKENS))
-        k = best_drafts(self.acceptance(), costs, self.k_min, k_max, self.bonus_forward)
+        k = best_drafts(self.acceptance(), self.costs, self.k_min, self.max_gamma, self.bonus_forward)
         if k > 0:
             self.probe_every = PROBE_EVERY
         elif self.probed:
@@ -322,19 +255,14 @@ class CostSchedule:
             )
         else:
             self.plain_streak += 1
-        if self.rounds == 1:
-            return
-        if round_.drafter_forwards and round_.drafter_caught_up <= CATCH_UP_TOKENS:
-            self.draft_step_samples.append(round_.draft_seconds / round_.drafter_forwards)
-        verify_seconds = round_.verify_seconds + round_.accept_seconds
-        self.verify_samples.setdefault(round_.verified, deque(maxlen=VERIFY_WINDOW)).append(verify_seconds)
 
 
-def new_schedule(config) -> GammaSchedule:
-    """The schedule ``config.resolved_gamma_schedule`` names (``config``: a :class:`~rapidspec.config.DecodeConfig`)."""
+def new_schedule(config, costs: StepCosts) -> GammaSchedule:
+    """The schedule ``config.resolved_gamma_schedule`` names (``config``: a :class:`~rapidspec.config.DecodeConfig`;
+    ``costs``: the machine's calibrated step costs, read by ``cost``)."""
     name = config.resolved_gamma_schedule
     if name == "heuristic":
         return HeuristicSchedule(config.gamma, config.max_gamma)
     if name == "cost":
-        return CostSchedule(config.gamma, config.max_gamma, config.effective_eta)
+        return CostSchedule(config.gamma, config.max_gamma, config.effective_eta, costs)
     return ConstantSchedule(config.gamma)

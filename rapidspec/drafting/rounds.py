@@ -27,8 +27,12 @@ def sync(device: torch.device) -> None:
 
 @dataclass
 class Rounds:
-    """What the rounds of one generation share: its settings, caches, drafter, schedule and what it gathers."""
+    """What the rounds of one generation share: its settings, caches, drafter, schedule and what it gathers.
 
+    ``drafter`` and ``schedule`` are None until the drafter joins (:meth:`prepare_drafter`, :mod:`.join`).
+    """
+
+    started: float  # time.perf_counter() when the generation started
     config: DecodeConfig
     params: sampling.SamplingParams
     stats: GenerationStats
@@ -36,13 +40,35 @@ class Rounds:
     target_cache: object
     target_seq: list[int]
     drafter: object | None
-    schedule: GammaSchedule
+    schedule: GammaSchedule | None
     stop_tokens: frozenset[int]
-    sync: bool  # wait for the devices around each step (profiling; the cost schedule needs exact times)
+    sync: bool  # wait for the devices around each step (profiling: exact times)
     vocab: int
     out_of_time: Callable[[], bool]
     grammar: object | None = None  # a rapidspec.grammar.GrammarState when the answer is constrained
+    join: object | None = None  # the drafter's preparation (rapidspec.drafting.join.DrafterJoin)
+    fixed_schedule: GammaSchedule | None = None  # the caller's schedule, used once the drafter joins
+    prepare_seconds: float = 0.0  # time between rounds spent preparing the drafter (retrieval, prefill, calibration)
     logprobs: list = field(default_factory=list)
+
+    def prepare_drafter(self, prompt_length: int, remaining: int, new_schedule) -> None:
+        """One bounded piece of the drafter's preparation after a round (:meth:`~.join.DrafterJoin.between_rounds`);
+        on its join the drafter and a schedule over the calibrated costs take part in the next rounds. Its time
+        counts as retrieval or drafter prefill, not decoding."""
+        if self.drafter is not None or self.join is None or self.join.done:
+            return
+        started, retrieval_before = time.perf_counter(), self.stats.retrieval_seconds
+        drafter = self.join.between_rounds(self.target_cache, self.target_seq, self.target_seq[prompt_length:], remaining)
+        if drafter is not None:
+            self.drafter, self.vocab = drafter, drafter.vocab_size
+            self.schedule = self.fixed_schedule or new_schedule(self.config, self.join.step_costs)
+            self.stats.drafter_joined_at = len(self.target_seq) - prompt_length
+            self.stats.drafter_join_seconds = time.perf_counter() - self.started
+        if self.sync and drafter is not None and drafter.cache is not None:
+            sync(drafter.device)
+        seconds = time.perf_counter() - started
+        self.prepare_seconds += seconds
+        self.stats.drafter_prefill_seconds += max(0.0, seconds - (self.stats.retrieval_seconds - retrieval_before))
 
     def wait_for_drafter(self) -> None:
         if self.sync and self.drafter is not None and self.drafter.cache is not None:

@@ -200,6 +200,19 @@ class Retriever:
         _check_text("query", query)
         return self._scores(self._state(document), query)
 
+    def drafter_budget(self, document_tokens: int) -> int:
+        """The token budget of a retrieval from a document of about ``document_tokens`` tokens."""
+        return self.config.budget_tokens or default_budget(document_tokens)
+
+    def tokens_to_embed(self, document: str, document_tokens: int, kind: str = "document") -> int:
+        """About how many tokens retrieving from ``document`` embeds first: ``document_tokens`` when the method
+        has a dense part and this retriever has not embedded the document yet, else 0 (a cheap query)."""
+        if self.method_for(kind) not in ("dense", "hybrid"):
+            return 0
+        with self._documents_lock:
+            state = self._documents.get(self._document_key(document, self.config.chunk_tokens))
+        return 0 if state is not None and self.config.embedding_model in state.dense else document_tokens
+
     def retrieve(self, document: str, query: str) -> RetrievalResult:
         """The best chunks for ``query`` within the budget, in document order.
 

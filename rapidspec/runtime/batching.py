@@ -66,6 +66,17 @@ def batching(batcher: ForwardBatcher) -> Iterator[None]:
         batcher.leave()
 
 
+@contextlib.contextmanager
+def unbatched() -> Iterator[None]:
+    """This thread's forwards run at once, outside any tick, until the block ends (measuring one request alone)."""
+    previous = current_batcher()
+    _local.batcher = None
+    try:
+        yield
+    finally:
+        _local.batcher = previous
+
+
 @dataclass(eq=False)
 class _Pending:
     lean: LeanModel

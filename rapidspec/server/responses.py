@@ -79,7 +79,7 @@ class Reply:
         else:
             choice = {"index": 0, "text": output.text, "finish_reason": finish_reason, "logprobs": logprobs}
         return self._body("chat.completion" if self.chat else "text_completion", [choice],
-                          usage=usage(output), rapidspec=statistics(output))
+                          usage=usage(output), metrics=metrics(output), rapidspec=statistics(output))
 
     def chunk(self, text: str | None = None, role: bool = False, finish_reason: str | None = None,
               logprobs=(), tool_calls: list | None = None, **extra) -> dict:
@@ -117,9 +117,10 @@ class Reply:
         if held and not calls:
             chunks.append(self.chunk(text=held))
         chunks += [self.chunk(tool_calls=[{"index": i, **call}]) for i, call in enumerate(calls)]
-        chunks.append(self.chunk(finish_reason=self._finish_reason(output, calls), rapidspec=statistics(output)))
+        chunks.append(self.chunk(finish_reason=self._finish_reason(output, calls), metrics=metrics(output),
+                                 rapidspec=statistics(output)))
         if self.include_usage:
-            chunks.append(self._body(chunks[-1]["object"], [], usage=usage(output)))
+            chunks.append(self._body(chunks[-1]["object"], [], usage=usage(output), metrics=metrics(output)))
         return chunks
 
     def logprobs(self, entries) -> dict | None:
@@ -148,6 +149,11 @@ def usage(output: GenerationOutput) -> dict:
     prompt, completion = output.stats.prompt_tokens_target, output.stats.new_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": output.stats.target_prefill_reused_tokens}}
+
+
+def metrics(output: GenerationOutput) -> dict:
+    """vLLM's per-request ``metrics`` object: the speculative decoding counts (:meth:`GenerationStats.speculative_decoding`)."""
+    return {"speculative_decoding": output.stats.speculative_decoding()}
 
 
 def statistics(output: GenerationOutput) -> dict:

@@ -149,6 +149,7 @@ class GenerationRequest(RequestBody):
     gamma: int | None = Field(default=None, ge=1)
     gamma_schedule: Literal["auto", "constant", "heuristic", "cost"] | None = None
     max_gamma: int | None = Field(default=None, ge=1)
+    drafter_start: Literal["auto", "first"] | None = None
     draft_confidence: float | None = Field(default=None, ge=0, lt=1)
     top_k: int | None = Field(default=None, ge=0)
     draft_gate: float | None = Field(default=None, ge=0, le=1)

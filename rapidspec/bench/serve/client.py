@@ -68,6 +68,13 @@ def _refused(result: RequestResult, status: int, content: bytes) -> None:
     result.lost = status >= 500
 
 
+def _use_metrics(result: RequestResult, metrics: object) -> None:
+    """vLLM's per-request ``metrics.speculative_decoding``, from any server that sends it."""
+    found = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+    if isinstance(found, dict):
+        result.speculative = found
+
+
 def _use_usage(result: RequestResult, usage: dict | None) -> None:
     if usage:
         result.output_tokens = usage.get("completion_tokens")
@@ -81,6 +88,7 @@ def _read_whole(result: RequestResult, data: dict) -> None:
         return
     finished = data["choices"][0].get("finish_reason")
     _use_usage(result, data.get("usage"))
+    _use_metrics(result, data.get("metrics"))
     result.outcome = "completed" if finished else "error"
     result.lost = not finished
     result.detail = None if finished else "an answer without a finish reason"
@@ -106,6 +114,7 @@ async def _read_stream(result: RequestResult, response: httpx.Response, sent: fl
                 result.ttft = now if result.ttft is None else result.ttft
             finished = finished or bool(choice.get("finish_reason"))
         _use_usage(result, chunk.get("usage"))
+        _use_metrics(result, chunk.get("metrics"))
     result.latency = time.perf_counter() - sent
     if finished:
         result.outcome = "completed"

@@ -46,6 +46,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     session: str | None = None  # the x-session-id it was sent with
+    speculative: dict | None = None  # the answer's metrics.speculative_decoding (vLLM's schema), when the server sent it
 
     @property
     def tpot(self) -> float | None:
@@ -81,6 +82,19 @@ def distribution(name: str, seconds: Sequence[float]) -> dict[str, float | None]
     return out
 
 
+def speculative_summary(metrics: Sequence[dict]) -> dict:
+    """Drafted and accepted tokens over the answers that sent vLLM's ``metrics.speculative_decoding`` (each a dict
+    with ``num_drafts``, ``num_draft_tokens``, ``num_accepted_draft_tokens``); {} when none did."""
+    if not metrics:
+        return {}
+    count = lambda name: sum(int(m.get(name) or 0) for m in metrics)  # noqa: E731
+    drafts, drafted, accepted = count("num_drafts"), count("num_draft_tokens"), count("num_accepted_draft_tokens")
+    return {"spec_requests": len(metrics), "spec_num_drafts": drafts, "spec_num_draft_tokens": drafted,
+            "spec_num_accepted_draft_tokens": accepted,
+            "spec_draft_acceptance_rate": accepted / drafted if drafted else None,
+            "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
 def summarize(results: Sequence[RequestResult], duration: float) -> dict:
     """Counts, throughputs and latency distributions of a finished load (vLLM's key names)."""
     counts = {outcome: sum(r.outcome == outcome for r in results) for outcome in OUTCOMES}
@@ -110,6 +124,7 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict:
     summary |= distribution("tpot", [t for r in done if (t := r.tpot) is not None])
     summary |= distribution("itl", [gap for r in done for gap in r.itls])
     summary |= distribution("e2el", [r.latency for r in done if r.latency is not None])
+    summary |= speculative_summary([r.speculative for r in done if r.speculative])
     summary["first_error"] = None if failed is None else f"request {failed.index}: {failed.detail}"
     sessions: dict[str, list[RequestResult]] = {}
     for r in done:

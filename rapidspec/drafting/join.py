@@ -1,0 +1,225 @@
+"""When the drafter of one generation joins its rounds: the first token is the target's, the drafter joins when it pays.
+
+A generation's first round is a plain target step, whatever the mode: its
+token comes from the target's prefill (on a follow-up question, mostly the
+prefix cache) and nothing RAPID needs stands in front of it. Between later
+rounds :class:`DrafterJoin` prepares the drafter in bounded pieces, one per
+round boundary:
+
+1. retrieval, when the prompts were built without it (``PromptPair.deferred``);
+2. the drafter's prefill, :func:`piece_tokens` tokens a piece (about one plain
+   step, so no gap between two tokens grows beyond about two plain steps),
+   from the kept cache sharing the longest prefix with its prompt;
+3. the join: the drafter takes the answer so far and the rounds draft.
+
+A piece runs only while the expected saving over the rest of the answer
+exceeds what the preparation still costs (:func:`worth_preparing`), so a short
+answer costs what lc costs. The costs come from the machine's calibration
+(:mod:`.calibration`), the expected acceptance from the engine's earlier
+answers as it stood when the generation started (:class:`AcceptanceMemory`),
+the lengths from the config and the tokens so far: the decisions are a
+function of the request, the machine and the engine's history, never of the clock
+or of other requests running beside it.
+
+A llama.cpp drafter prefilling beside the target's prefill on spare cores
+(:meth:`~.factory.DrafterFactory.prefills_beside`) joins at the first round
+boundary, waiting for it there. ``DecodeConfig.drafter_start="first"`` prepares
+everything before the first round (the paper's setting: every round drafts).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from rapidspec.drafting.calibration import DrafterCosts, TargetCosts
+from rapidspec.drafting.gamma_schedule import (
+    ACCEPTANCE_PRIOR_STRENGTH,
+    FIRST_POSITION_PRIOR,
+    StepCosts,
+    acceptance_estimates,
+    best_drafts,
+    expected_round_seconds,
+    expected_tokens,
+)
+
+#: A prefill piece feeds at least this many tokens (a chunk smaller than this costs mostly overhead).
+MIN_PIECE_TOKENS = 16
+#: Finished answers' acceptance counts decay by this per answer (about the last 10 answers weigh).
+MEMORY_DECAY = 0.9
+
+
+def drafting_seconds_per_token(costs: StepCosts, acceptance: Sequence[float], max_gamma: int,
+                               bonus_forward: bool) -> float:
+    """Expected seconds per emitted token of the best drafting round (k >= 1) under ``costs`` and ``acceptance``.
+
+    Example: a = [0.8] * 4, d = 0.01, v(n) = 0.05 + 0.005 n: k = 3 emits 1 + 0.8 + 0.64 + 0.512 = 2.952 tokens
+    for 0.03 + 0.07 = 0.1 s, 0.034 s a token (k = 4: 0.0342) against a plain step's 0.055 s.
+    """
+    k = best_drafts(acceptance, costs, 1, max_gamma, bonus_forward)
+    return expected_round_seconds(k, acceptance, costs, bonus_forward) / expected_tokens(acceptance, k)
+
+
+def worth_preparing(prepare_seconds: float, plain_step: float, drafting_step: float, remaining_tokens: int) -> bool:
+    """Whether preparing the drafter pays: the tokens left after the preparation's rounds, each
+    ``plain_step - drafting_step`` seconds cheaper, save more than ``prepare_seconds``.
+
+    The preparation runs a piece of about one plain step per round, so it takes
+    ``ceil(prepare_seconds / plain_step)`` rounds, whose tokens come from plain steps.
+    Example: 0.5 s to prepare, plain 0.05 s, drafting 0.025 s a token: 10 rounds; 40 tokens left save
+    30 * 0.025 = 0.75 s > 0.5 s (worth it), 25 tokens left save 0.375 s (not).
+    """
+    saving = plain_step - drafting_step
+    if saving <= 0 or remaining_tokens <= 1:
+        return False
+    rounds = math.ceil(prepare_seconds / plain_step) if plain_step > 0 else 0
+    return (remaining_tokens - rounds) * saving > prepare_seconds
+
+
+def piece_tokens(plain_step: float, prefill_per_token: float) -> int:
+    """Tokens of one prefill piece: what the drafter prefills in about one plain step (at least MIN_PIECE_TOKENS)."""
+    if prefill_per_token <= 0:
+        return 1 << 20
+    return max(MIN_PIECE_TOKENS, int(plain_step / prefill_per_token))
+
+
+class AcceptanceMemory:
+    """Per-position acceptance of an engine's finished answers (decayed counts), the prior of the start decision.
+
+    :meth:`estimates` gives a_i for i = 1..max_gamma (the Beta prior of :mod:`.gamma_schedule` with no answers
+    yet); :meth:`record` adds a finished answer's per-position counts. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._accepted: list[float] = []
+        self._drafted: list[float] = []
+        self._lock = threading.Lock()
+
+    def estimates(self, positions: int) -> list[float]:
+        with self._lock:
+            accepted = (self._accepted + [0.0] * positions)[:positions]
+            drafted = (self._drafted + [0.0] * positions)[:positions]
+        return acceptance_estimates(accepted, drafted, ACCEPTANCE_PRIOR_STRENGTH, FIRST_POSITION_PRIOR)
+
+    def record(self, drafted_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> None:
+        if not any(drafted_per_position):
+            return
+        with self._lock:
+            size = max(len(self._drafted), len(drafted_per_position))
+            grow = lambda xs: [x * MEMORY_DECAY for x in xs] + [0.0] * (size - len(xs))  # noqa: E731
+            self._accepted, self._drafted = grow(self._accepted), grow(self._drafted)
+            for i, (d, a) in enumerate(zip(drafted_per_position, accepted_per_position)):
+                self._drafted[i] += d
+                self._accepted[i] += a
+
+
+class DrafterJoin:
+    """Prepares the drafter of one generation between its rounds (module docstring).
+
+    ``factory``: the engine's :class:`~.factory.DrafterFactory`; ``prompts``: the generation's PromptPair
+    (maybe deferred); ``target_costs(cache)`` and ``drafter_costs()`` give the calibrated costs;
+    ``acceptance``: the prior a_1..a_max_gamma; ``beside``: a drafter prefilling beside the target's prefill.
+    """
+
+    def __init__(self, factory, prompts, config, stats, device, target_costs, drafter_costs, acceptance: list[float],
+                 retrieval_seconds_per_token, beside: Future | None = None) -> None:
+        self.factory, self.prompts, self.config, self.stats, self.device = factory, prompts, config, stats, device
+        self._target_costs, self._drafter_costs = target_costs, drafter_costs
+        self._retrieval_seconds_per_token = retrieval_seconds_per_token
+        self.acceptance, self.beside = acceptance, beside
+        self.done = factory.drafter_kind(config) is None  # joined, or never will
+        self._pending = None  # a PendingDrafter while its prefill runs
+        self.step_costs: StepCosts | None = None
+
+    def now(self):
+        """Everything before the first round (``drafter_start="first"``): the generation's drafter, or None."""
+        self.done = True
+        if self.beside is None:
+            self._resolve()
+        return self._started()
+
+    def between_rounds(self, target_cache, target_seq: list[int], answer: list[int], remaining: int):
+        """One bounded piece of preparation after a round; the drafter once it joins (it has taken ``answer``), else None."""
+        if self.done or remaining <= 1:
+            return None
+        if self.beside is not None:  # joins at the first boundary, whatever it cost (spare cores)
+            return self._join(self._started(), answer)
+        if self.factory.drafter_kind(self.config) == "lookup":  # no prefill: drafts from the next round
+            self._resolve()
+            return self._join(self._started(), answer)
+        target = self._target_costs(target_cache, target_seq)
+        drafter = self._drafter_costs(self.config)
+        self.step_costs = StepCosts(drafter.step, target.base, target.per_token)
+        if self._pending is None:
+            deferred = self.prompts.deferred
+            if deferred is not None and deferred.embed_tokens == 0:
+                self._resolve()  # one cheap piece (a query): then the decision knows the drafter's prompt
+                deferred = None
+            if not self._worth(self._prefill_seconds(drafter) + self._retrieval_seconds(), target, remaining):
+                return None
+            if deferred is not None:
+                self._resolve()  # one piece: retrieval, embedding the document
+                return None
+            self._pending = self.factory.begin(self.prompts, self.config, self.stats, self.device)
+            if self._pending is None:  # nothing to draft from
+                self.done = True
+                return None
+        elif not self._worth(self._pending.left * drafter.prefill_per_token, target, remaining):
+            return None  # the answer is nearly done: the rest of the prefill would not pay
+        self._pending.advance(piece_tokens(target.verify(1), drafter.prefill_per_token))
+        if not self._pending.ready:
+            return None
+        pending, self._pending = self._pending, None
+        return self._join(pending.drafter(), answer)
+
+    def close(self) -> None:
+        """The generation ended before the drafter joined: keep what its prefill wrote for the next prompt."""
+        if self._pending is not None:
+            self._pending.close()
+            self._pending = None
+        if self.beside is not None and not self.done:
+            from rapidspec.drafting.factory import drop_started
+
+            drop_started(self.beside)
+        self.done = True
+
+    # ------------------------------------------------------------ internals
+    def _worth(self, prepare_seconds: float, target: TargetCosts, remaining: int) -> bool:
+        drafting = drafting_seconds_per_token(self.step_costs, self.acceptance, self.config.max_gamma,
+                                              self.config.effective_eta > 0)
+        return worth_preparing(prepare_seconds, target.verify(1), drafting, remaining)
+
+    def _retrieval_seconds(self) -> float:
+        deferred = self.prompts.deferred
+        if deferred is None or deferred.embed_tokens == 0:
+            return 0.0
+        return deferred.embed_tokens * self._retrieval_seconds_per_token()
+
+    def _prefill_seconds(self, drafter: DrafterCosts) -> float:
+        """What the drafter's prefill would cost now: its prompt less what a kept cache holds (the whole
+        retrieval budget while the prompt is not known yet)."""
+        if self.prompts.deferred is not None:
+            tokens = self.prompts.deferred.drafter_tokens
+        else:
+            tokens = len(self.prompts.drafter_ids) - 1 - self.factory.kept_prefix(self.prompts, self.config)
+        return max(0, tokens) * drafter.prefill_per_token
+
+    def _resolve(self) -> None:
+        if self.prompts.deferred is not None:
+            self.prompts = self.prompts.deferred.resolve()
+            self.stats.add_resolved_prompts(self.prompts)
+
+    def _started(self):
+        prompts, drafter = self.factory.started(self.beside, self.prompts, self.config, self.stats, self.device)
+        if prompts is not self.prompts:
+            self.prompts = prompts
+            self.stats.add_resolved_prompts(prompts)
+        return drafter
+
+    def _join(self, drafter, answer: list[int]):
+        self.done = True
+        if drafter is not None and answer:
+            drafter.commit(list(answer))  # the tokens the plain rounds emitted: fed with its first draft
+        return drafter

@@ -1,0 +1,214 @@
+"""The first token is the target's; the drafter joins when it pays (rapidspec.drafting.join, .calibration)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+
+import pytest
+import torch
+
+from rapidspec import Rapid
+from rapidspec.drafting.calibration import (
+    CostBook,
+    DrafterCosts,
+    TargetCosts,
+    context_bucket,
+    line_through,
+    measure_drafter,
+    measure_verify,
+)
+from rapidspec.drafting.gamma_schedule import StepCosts
+from rapidspec.drafting.join import (
+    MIN_PIECE_TOKENS,
+    AcceptanceMemory,
+    drafting_seconds_per_token,
+    piece_tokens,
+    worth_preparing,
+)
+from rapidspec.retrieval import RetrievalConfig
+from rapidspec.runtime import new_kv_cache
+
+RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
+DOCUMENT = " ".join(f"Fact {i}: the archive of room {i} opens at {i % 12 + 1} o'clock." for i in range(60))
+QUESTION = "When does room 7 open?"
+
+
+class StaticCosts:
+    """A cost book with fixed numbers (what a machine's calibration file would hold), never measuring."""
+
+    def __init__(self, target=TargetCosts(0.1, 0.001), drafter=DrafterCosts(0.01, 0.0001), embedding=1e-5):
+        self.values = {TargetCosts: target, DrafterCosts: drafter, float: embedding}
+
+    def get(self, kind, key, measure):
+        return self.values[kind]
+
+
+def engine(tiny_model, costs=None, **options) -> Rapid:
+    rapid = Rapid(tiny_model, retrieval=RETRIEVAL, drafter_backend="torch", **options)
+    rapid.costs = costs or StaticCosts()
+    return rapid
+
+
+# ------------------------------------------------------------------ pure math
+def test_worth_preparing_by_hand():
+    assert worth_preparing(0.5, 0.05, 0.025, 40)  # 10 rounds to prepare, 30 tokens save 0.75 s
+    assert not worth_preparing(0.5, 0.05, 0.025, 25)  # 15 tokens save 0.375 s
+    assert not worth_preparing(0.0, 0.05, 0.06, 100)  # drafting is no cheaper than a plain step
+    assert not worth_preparing(0.0, 0.05, 0.01, 1)  # one token left: nothing to draft
+    assert worth_preparing(0.0, 0.05, 0.01, 2)  # nothing left to prepare
+
+
+def test_piece_tokens_is_about_one_plain_step():
+    assert piece_tokens(0.05, 0.001) == 50
+    assert piece_tokens(0.05, 0.01) == MIN_PIECE_TOKENS
+    assert piece_tokens(0.05, 0.0) > 10**5
+
+
+def test_drafting_seconds_per_token_by_hand():
+    costs = StepCosts(draft_step=0.01, verify_base=0.05, verify_per_token=0.005)
+    seconds = drafting_seconds_per_token(costs, [0.8] * 4, 4, False)
+    # k = 3: E = 1 + 0.8 + 0.64 + 0.512 = 2.952 tokens for C = 0.03 + 0.07 s (k = 4: 0.115 s for 3.3616, dearer)
+    assert seconds == pytest.approx(0.1 / 2.952)
+
+
+def test_buckets_and_verify_lines():
+    assert [context_bucket(n) for n in (1, 300, 512, 513, 7000, 8192)] == [512, 512, 512, 1024, 8192, 8192]
+    line = line_through(1, 0.05, 8, 0.12)
+    assert (line.base, line.per_token) == pytest.approx((0.04, 0.01))
+    assert line_through(1, 0.2, 8, 0.1) == TargetCosts(0.2, 0.0)  # noise giving a negative slope: flat
+
+
+def test_acceptance_memory_starts_at_the_prior_and_learns():
+    memory = AcceptanceMemory()
+    assert memory.estimates(3) == pytest.approx([0.5, 0.5, 0.5])
+    memory.record([4, 4, 2], [4, 2, 0])  # position 1 always, 2 half, 3 never
+    a = memory.estimates(3)
+    assert a[0] == pytest.approx(4.5 / 5) and a[1] == pytest.approx((a[0] + 2) / 5) and a[2] < a[1]
+    memory.record([], [])  # an answer that never drafted changes nothing
+    assert memory.estimates(3) == a
+
+
+# ------------------------------------------------------------------ calibration
+def test_verify_and_drafter_measurements_leave_the_cache_as_it_was(tiny_model):
+    cache = new_kv_cache(tiny_model, 64)
+    cache.prefill(list(range(40)))
+    before = cache.forward([41], 1)
+    cache.crop(40)
+    costs = measure_verify(cache, [41], 8)
+    assert cache.length == 40 and costs.base >= 0 and costs.per_token >= 0
+    torch.testing.assert_close(cache.forward([41], 1), before)
+    drafter = measure_drafter(lambda n: new_kv_cache(tiny_model, 64), 3)
+    assert drafter.step > 0 and drafter.prefill_per_token > 0
+
+
+def test_cost_book_measures_once_and_keeps_it_per_machine(tmp_path):
+    path = tmp_path / "costs.json"
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return DrafterCosts(0.02, 0.001)
+
+    assert CostBook(path).get(DrafterCosts, "drafter x", measure) == DrafterCosts(0.02, 0.001)
+    again = CostBook(path)  # another engine, another process: read from the file
+    assert again.get(DrafterCosts, "drafter x", measure) == DrafterCosts(0.02, 0.001) and len(calls) == 1
+    content = json.loads(path.read_text())
+    assert content["format"] == 1 and len(content["machines"]) == 1
+    (machine,) = content["machines"].values()
+    (key,) = machine
+    machine[key] = {"step": "nan?", "prefill_per_token": 1}  # a damaged entry is measured again
+    path.write_text(json.dumps(content))
+    assert CostBook(path).get(DrafterCosts, "drafter x", measure) == DrafterCosts(0.02, 0.001) and len(calls) == 2
+    assert CostBook(path).get(float, "embedder y", lambda: 3e-5) == 3e-5
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_cache_keeps_costs_in_memory_with_one_warning(tmp_path, caplog):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    book, calls = CostBook(folder / "costs.json"), []
+    with caplog.at_level(logging.WARNING):
+        for key in ("a", "a", "b"):
+            book.get(float, key, lambda: calls.append(1) or 0.5)
+    assert len(calls) == 2 and sum("cannot keep measured step costs" in r.message for r in caplog.records) == 1
+
+
+# ------------------------------------------------------------------ the engine
+def test_the_first_token_comes_before_retrieval_and_the_drafter(tiny_model):
+    rapid = engine(tiny_model)
+    calls: list[str] = []
+    retrieve = rapid.retriever.retrieve
+    rapid.retriever.retrieve = lambda *a, **k: calls.append("retrieve") or retrieve(*a, **k)
+    stream = rapid.stream(DOCUMENT, QUESTION, mode="rapid", eta=1.0, max_new_tokens=40, ignore_eos=True)
+    first = next(stream)
+    assert first.token_ids and calls == []  # the first token: the target's prefill and one plain step
+    output = list(stream)[-1].output
+    stats = output.stats
+    assert calls == ["retrieve"] and stats.retrieved_chunks > 0 and output.retrieval is not None
+    assert stats.drafter_joined_at is not None and stats.drafter_joined_at >= 1 and stats.drafted_tokens > 0
+    assert 0 < stats.time_to_first_token <= stats.drafter_join_seconds
+    assert stats.prompt_tokens_drafter > 0 and stats.new_tokens == 40
+
+
+def test_eta_zero_greedy_with_a_late_drafter_equals_lc(tiny_model):
+    rapid = engine(tiny_model)
+    lc = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=48, ignore_eos=True)
+    out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, max_new_tokens=48, ignore_eos=True)
+    assert out.token_ids == lc.token_ids and out.stats.drafted_tokens > 0
+
+
+def test_the_prefill_runs_in_pieces_of_about_one_plain_step(tiny_model):
+    """200 retrieved tokens and more, 16 a piece (a plain step's worth): the drafter joins after that many rounds."""
+    costs = StaticCosts(drafter=DrafterCosts(0.001, 0.1 / MIN_PIECE_TOKENS))  # 16 tokens cost one plain step
+    rapid = engine(tiny_model, costs, reuse_document_cache=False)
+    stats = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=200, ignore_eos=True).stats
+    pieces = -(-(stats.prompt_tokens_drafter - 1) // MIN_PIECE_TOKENS)
+    # round 1 emits the first token, then each round boundary runs one piece: the last one after token `pieces`
+    assert stats.drafter_joined_at == pieces
+
+
+def test_a_drafter_that_will_not_pay_is_never_prefilled(tiny_model):
+    dear = StaticCosts(drafter=DrafterCosts(0.01, 0.01))  # 2-3 s to prefill against 0.1 s steps
+    rapid = engine(tiny_model, dear)
+    lc = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=20, ignore_eos=True)
+    out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=20, ignore_eos=True)
+    assert out.token_ids == lc.token_ids
+    assert out.stats.drafter_joined_at is None and out.stats.drafted_tokens == 0
+    assert out.stats.drafter_prefill_reused_tokens == 0 and rapid.drafting.pool("torch").kept == 0
+    short = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=3, ignore_eos=True)
+    assert short.stats.drafter_joined_at is None  # 3 tokens never pay for a prefill
+
+
+def test_an_answer_ending_mid_prefill_keeps_the_prefix_for_the_next_question(tiny_model):
+    costs = StaticCosts(drafter=DrafterCosts(0.001, 0.1 / MIN_PIECE_TOKENS))
+    rapid = engine(tiny_model, costs)
+    stream = rapid.stream(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=200, ignore_eos=True)
+    for _ in range(10):  # the first token, then nine prefill pieces (144 tokens: a kept cache worth reusing)
+        next(stream)
+    stream.close()  # the user stops reading
+    assert rapid.drafting.pool("torch").kept == 1
+    second = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=200, ignore_eos=True)
+    assert second.stats.drafter_prefill_reused_tokens == 9 * MIN_PIECE_TOKENS
+
+
+def test_drafter_start_first_drafts_from_the_first_round(tiny_model):
+    rapid = engine(tiny_model)
+    stats = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=16, ignore_eos=True,
+                           drafter_start="first", gamma_schedule="constant").stats
+    assert stats.drafter_joined_at == 0 and stats.plain_rounds == 0 and stats.retrieved_chunks > 0
+
+
+def test_speculative_metrics_in_vllms_schema(tiny_model):
+    stats = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=40, ignore_eos=True).stats
+    metrics = stats.speculative_decoding()
+    drafts = stats.rounds - stats.plain_rounds
+    assert metrics["num_drafts"] == drafts > 0
+    assert metrics["num_draft_tokens"] == stats.drafted_tokens
+    assert metrics["num_accepted_draft_tokens"] == stats.accepted_tokens
+    assert metrics["mean_acceptance_length"] == pytest.approx(1 + stats.accepted_tokens / drafts)
+    histogram = metrics["acceptance_histogram"]
+    assert sum(histogram) == drafts and sum(i * n for i, n in enumerate(histogram)) == stats.accepted_tokens
