@@ -6,7 +6,9 @@ server, evaluation and benchmarks all consume it. Prompts come from :mod:`rapids
 :mod:`rapidspec.conversation`; target caches are reused through :mod:`rapidspec.runtime.prefix_cache`;
 each generation's drafter comes from :mod:`rapidspec.drafting.factory` (the mode table says which). One round::
 
-    1 prefill   target cache <- target prompt[:-1]; the drafter prefills its own prompt
+    1 prefill   target cache <- target prompt[:-1]; the first round is a plain step (the first token is the
+                target's); between rounds the drafter is prepared in bounded pieces while it pays and joins
+                when ready (:mod:`rapidspec.drafting.join`; ``drafter_start="first"``: before the first round)
     2 draft     the drafter proposes k tokens (k from the gamma schedule; 0 = a plain step)
     3 verify    target feeds [pending, x_1..x_k] in ONE forward -> logits z_1..z_{k+1}
     4 accept    sampling.verify: accepted prefix, then the recovered or bonus token
@@ -32,18 +34,10 @@ from rapidspec import sampling
 from rapidspec.config import DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
 from rapidspec.drafting import NO_PROPOSAL
-from rapidspec.drafting.calibration import (
-    CostBook,
-    DrafterCosts,
-    TargetCosts,
-    context_bucket,
-    measure_drafter,
-    measure_embedding,
-    measure_verify,
-)
+from rapidspec.drafting.calibration import CostBook, EngineCosts
 from rapidspec.drafting.eta_default import EtaWarnings, resolve_eta
 from rapidspec.drafting.factory import DrafterFactory, drop_started
-from rapidspec.drafting.gamma_schedule import GammaSchedule, StepCosts, new_schedule
+from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
 from rapidspec.drafting.join import AcceptanceMemory, DrafterJoin
 from rapidspec.drafting.rounds import Rounds, sync as device_sync
 from rapidspec.errors import RapidspecError
@@ -62,8 +56,6 @@ logger = logging.getLogger(__name__)
 
 # Reuse a stored target cache only when it saves at least this many tokens.
 MIN_REUSED_PREFIX_TOKENS = 64
-# Verify costs are calibrated from forwards of 1 and of this many tokens (at most max_gamma + 1).
-VERIFY_PROBE_TOKENS = 8
 
 
 class Rapid:
@@ -104,7 +96,7 @@ class Rapid:
         self.grammar_tokens = GrammarTokens(self.tokenizer, max(self.vocab_size, len(self.tokenizer)),
                                             self.eos_token_ids)
         self._eta_warnings = EtaWarnings()
-        self.costs = CostBook()  # the machine's calibrated step costs (rapidspec.drafting.calibration)
+        self._costs = EngineCosts(CostBook(), target, self.drafting, self.retriever, self.eos_token_ids)
         self.acceptance = AcceptanceMemory()  # earlier answers' acceptance: the drafter's start decision reads it
 
     @classmethod
@@ -115,6 +107,15 @@ class Rapid:
                    prefix_cache_gib=spec.prefix_cache_gib, drafter_backend=spec.drafter_backend,
                    drafter_threads=spec.drafter_threads, drafter_prefill=spec.drafter_prefill,
                    drafter_gguf=spec.drafter_gguf)
+
+    @property
+    def costs(self):
+        """The machine's step costs this engine reads (a :class:`~rapidspec.drafting.calibration.CostBook`); settable."""
+        return self._costs.book
+
+    @costs.setter
+    def costs(self, book) -> None:
+        self._costs.book = book
 
     @property
     def drafter(self):
@@ -227,6 +228,8 @@ class Rapid:
         """
         generation_started = time.perf_counter()
         config, eta_source = resolve_eta(config, self.drafter_relation, self._eta_warnings)
+        # what the engine holds when the generation starts: the drafter's plan reads this, not later changes
+        acceptance, kept = self.acceptance.estimates(config.max_gamma), self.drafting.kept_tokens(config)
         stats = GenerationStats.starting(config, prompts)
         stats.eta_source = eta_source
         target_device = self.target.model.device
@@ -259,28 +262,17 @@ class Rapid:
                 raise
             device_sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
-            join = DrafterJoin(self.drafting, prompts, config, stats, target_device, self._target_costs(config),
-                               self._drafter_costs, self.acceptance.estimates(config.max_gamma),
-                               self._embedding_cost, beside)
-            drafter, costs = None, None
-            if config.drafter_start == "first":
-                started = time.perf_counter()
-                drafter = join.now()
-                stats.drafter_prefill_seconds = time.perf_counter() - started  # beside: the wait after the target's
-                if drafter is not None:
-                    stats.drafter_joined_at, stats.drafter_join_seconds = 0, time.perf_counter() - generation_started
-                if drafter is not None and config.resolved_gamma_schedule == "cost" and schedule is None:
-                    costs = self._step_costs(config, target_cache, target_seq)
+            join = DrafterJoin(self.drafting, prompts, config, stats, target_device, self._costs, acceptance, kept, beside)
 
             # 2-5 decode
             # (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
-            run = Rounds(generation_started, config, sampling.SamplingParams.of(config), stats, generator, target_cache, target_seq,
-                         drafter, schedule or (None if drafter is None else new_schedule(config, costs)),
-                         frozenset() if config.ignore_eos else self.eos_token_ids, profile,
-                         self.vocab_size if drafter is None else drafter.vocab_size, out_of_time, grammar, join=join,
-                         fixed_schedule=schedule)
+            run = Rounds(generation_started, config, sampling.SamplingParams.of(config), stats, generator, target_cache,
+                         target_seq, None, None, frozenset() if config.ignore_eos else self.eos_token_ids, profile,
+                         self.vocab_size, out_of_time, grammar, join=join, fixed_schedule=schedule)
             try:
+                if config.drafter_start == "first":
+                    run.prepare_drafter_now(new_schedule)
                 yield from self._decode(run, prompts, observer)
                 consistent = True
             except GeneratorExit:
@@ -301,34 +293,6 @@ class Rapid:
         self.drafting.clear()
 
     # ------------------------------------------------------------ internals
-    def _target_costs(self, config: DecodeConfig):
-        """``measure(cache, seq)``: the calibrated v(n) of the target at the context bucket of ``seq``."""
-        tokens = min(VERIFY_PROBE_TOKENS, config.max_gamma + 1)
-        target = self.target
-        label = f"target {target.label} {target.dtype} {target.device.type} {target.runtime}"
-
-        def measure(cache, seq: list[int]) -> TargetCosts:
-            key = f"{label} | verify at {context_bucket(len(seq))} tokens, n = 1 and {tokens}"
-            return self.costs.get(TargetCosts, key, lambda: measure_verify(cache, seq[cache.length :], tokens))
-
-        return measure
-
-    def _drafter_costs(self, config: DecodeConfig) -> DrafterCosts:
-        """The calibrated step and prefill costs of the drafter ``config`` drafts with."""
-        pool = self.drafting.pool(config.drafter_backend)
-        token = next(iter(self.eos_token_ids), 0)
-        return self.costs.get(DrafterCosts, self.drafting.costs_key(config), lambda: measure_drafter(pool.new_cache, token))
-
-    def _embedding_cost(self) -> float:
-        """Calibrated seconds per document token the engine's retriever embeds."""
-        config = self.retriever.config
-        key = f"embedder {config.embedding_model} {config.embedding_dtype} on {config.device or 'auto'}"
-        return self.costs.get(float, key, lambda: measure_embedding(self.retriever.embedder, self.tokenizer))
-
-    def _step_costs(self, config: DecodeConfig, cache, seq: list[int]) -> StepCosts:
-        target = self._target_costs(config)(cache, seq)
-        return StepCosts(self._drafter_costs(config).step, target.base, target.per_token)
-
     def _windows(self, config: DecodeConfig) -> tuple[int, int]:
         """Prompt tokens that fit the target's and the drafter's windows with the answer."""
         window = min(self.target.max_context, config.max_model_len or self.target.max_context)

@@ -5,7 +5,9 @@ the target verifies them in one forward pass, ``accepted`` of them are kept and
 one more token (the correction or the bonus) is emitted by the target.
 ``mean_accepted_length = 1 + accepted / rounds``. A *plain round* drafted
 nothing (the ``cost`` gamma schedule found drafting not worth it, or one token
-was left): one target step; it counts as a round.
+was left): one target step; it counts as a round. Rounds are counted from the
+drafter's join (``drafter_joined_at`` answer tokens came before it, from
+plain target steps; :mod:`rapidspec.drafting.join`).
 """
 
 from __future__ import annotations

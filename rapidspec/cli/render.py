@@ -17,6 +17,9 @@ ROWS: tuple[tuple[str, object], ...] = (
     ("target prefill s", lambda s: f"{s.target_prefill_seconds:.2f}" + (f" (reused {s.target_prefill_reused_tokens} tok)" if s.target_prefill_reused_tokens else "")),
     ("drafter prefill s", lambda s: f"{s.drafter_prefill_seconds:.2f}"),
     ("decode s", lambda s: f"{s.decode_seconds:.2f}"),
+    ("time to first token s", lambda s: f"{s.time_to_first_token:.2f}"),
+    ("drafter joined after (s)", lambda s: "-" if s.drafter_joined_at is None
+     else f"{s.drafter_joined_at} tok ({s.drafter_join_seconds:.2f})"),
     ("new tokens", lambda s: str(s.new_tokens)),
     ("decode tokens/s", lambda s: _num(s.decode_tokens_per_second, "{:.2f}")),
     ("rounds", lambda s: str(s.rounds)),

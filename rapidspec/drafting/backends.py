@@ -77,12 +77,15 @@ class DrafterPool:
         pending.advance(None)
         return pending.drafter(), reused
 
-    def kept_prefix(self, prompt_ids) -> int:
-        """Tokens of ``prompt_ids[:-1]`` the kept cache :meth:`begin` would take already holds (0: a new cache)."""
-        wanted = list(prompt_ids[:-1])
+    def kept_tokens(self) -> list[tuple[int, ...]]:
+        """What each kept cache holds now (a snapshot: a generation plans its prefill from it)."""
         with self._idle_lock:
-            shared = [common_prefix_length(cache.token_ids, wanted) for cache, _ in self._idle]
-        best = max(shared, default=0)
+            return [tuple(cache.token_ids) for cache, _ in self._idle]
+
+    def kept_prefix(self, prompt_ids, kept: list[tuple[int, ...]]) -> int:
+        """Tokens of ``prompt_ids[:-1]`` that :meth:`begin` would reuse from the caches ``kept`` (:meth:`kept_tokens`)."""
+        wanted = list(prompt_ids[:-1])
+        best = max((common_prefix_length(tokens, wanted) for tokens in kept), default=0)
         return best if best >= min(self.reuse_min_tokens, len(wanted) / 2) else 0
 
     def new_cache(self, tokens: int):

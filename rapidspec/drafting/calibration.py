@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from rapidspec.drafting.gamma_schedule import StepCosts
 from rapidspec.runtime.attention import machine_key
 from rapidspec.runtime.batching import current_batcher, unbatched
 from rapidspec.runtime.cache_dir import cache_root
@@ -57,6 +58,8 @@ REPEATS = 3
 DRAFTER_PROBE_TOKENS = 256
 #: The smallest context-length bucket; buckets double from here.
 MIN_BUCKET = 512
+#: Verify costs are measured from forwards of 1 and of this many tokens (at most max_gamma + 1).
+VERIFY_PROBE_TOKENS = 8
 
 
 def context_bucket(tokens: int) -> int:
@@ -237,3 +240,36 @@ def _entry_value(kind: type, entry: object):
     except (KeyError, TypeError, ValueError):
         return None
     return value if all(math.isfinite(v) and v >= 0 for v in asdict(value).values()) else None
+
+
+class EngineCosts:
+    """The calibrated costs of one engine's models, read from (or measured into) ``book``."""
+
+    def __init__(self, book: CostBook, target, drafting, retriever, stop_tokens) -> None:
+        self.book, self.target_model, self.drafting, self.retriever = book, target, drafting, retriever
+        self._token = next(iter(stop_tokens), 0)  # what a drafter's probe feeds (any token does)
+
+    def target(self, config, cache, seq: Sequence[int]) -> TargetCosts:
+        """v(n) of the target at the context bucket of ``seq`` (measured on ``cache``, which holds ``seq[:-1]``)."""
+        tokens = min(VERIFY_PROBE_TOKENS, config.max_gamma + 1)
+        model = self.target_model
+        key = (f"target {model.label} {model.dtype} {model.device.type} {model.runtime} | verify at "
+               f"{context_bucket(len(seq))} tokens, n = 1 and {tokens}")
+        return self.book.get(TargetCosts, key, lambda: measure_verify(cache, seq[cache.length :], tokens))
+
+    def drafter(self, config) -> DrafterCosts:
+        """The step and prefill costs of the drafter ``config`` drafts with."""
+        pool = self.drafting.pool(config.drafter_backend)
+        return self.book.get(DrafterCosts, self.drafting.costs_key(config),
+                             lambda: measure_drafter(pool.new_cache, self._token))
+
+    def embedding(self) -> float:
+        """Seconds per document token the engine's retriever embeds."""
+        config = self.retriever.config
+        key = f"embedder {config.embedding_model} {config.embedding_dtype} on {config.device or 'auto'}"
+        return self.book.get(float, key, lambda: measure_embedding(self.retriever.embedder, self.retriever.tokenizer))
+
+    def step_costs(self, config, cache, seq: Sequence[int]) -> StepCosts:
+        """What the ``cost`` gamma schedule plans with: the drafter's step and the target's v(n)."""
+        target = self.target(config, cache, seq)
+        return StepCosts(self.drafter(config).step, target.base, target.per_token)

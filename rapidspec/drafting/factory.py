@@ -145,11 +145,17 @@ class DrafterFactory:
         stats.drafter_prefill_reused_tokens = pending.reused
         return pending
 
-    def kept_prefix(self, prompts, config) -> int:
-        """Tokens of the drafter's prompt a kept cache already holds (0 without a model drafter)."""
+    def kept_tokens(self, config) -> list[tuple[int, ...]]:
+        """What the kept drafter caches of ``config``'s backend hold now ([] without a model drafter)."""
+        if self.drafter_kind(config) != "model":
+            return []
+        return self.pool(config.drafter_backend).kept_tokens()
+
+    def kept_prefix(self, prompts, config, kept: list[tuple[int, ...]]) -> int:
+        """Tokens of the drafter's prompt that the caches ``kept`` (:meth:`kept_tokens`) hold (0 without a model drafter)."""
         if self.drafter_kind(config) != "model" or prompts.drafter_ids is None:
             return 0
-        return self.pool(config.drafter_backend).kept_prefix(prompts.drafter_ids)
+        return self.pool(config.drafter_backend).kept_prefix(prompts.drafter_ids, kept)
 
     def costs_key(self, config) -> str:
         """What a drafter's measured costs are kept under: its pool's label and threads."""

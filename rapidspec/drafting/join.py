@@ -15,11 +15,15 @@ round boundary:
 A piece runs only while the expected saving over the rest of the answer
 exceeds what the preparation still costs (:func:`worth_preparing`), so a short
 answer costs what lc costs. The costs come from the machine's calibration
-(:mod:`.calibration`), the expected acceptance from the engine's earlier
-answers as it stood when the generation started (:class:`AcceptanceMemory`),
-the lengths from the config and the tokens so far: the decisions are a
-function of the request, the machine and the engine's history, never of the clock
-or of other requests running beside it.
+(:mod:`.calibration`), the lengths from the config and the tokens so far, and
+what the engine holds is read once, when the generation starts: the expected
+acceptance of its earlier answers (:class:`AcceptanceMemory`) and what its
+kept drafter caches hold. The prefill's pieces are planned from that
+snapshot: the drafter joins at the round the plan fixed, and a cache another
+request took or gave back meanwhile changes only how many tokens each piece
+feeds. So the rounds of a generation are a function of the request, the
+machine and what the engine held when it started, never of the clock or of
+requests running beside it.
 
 A llama.cpp drafter prefilling beside the target's prefill on spare cores
 (:meth:`~.factory.DrafterFactory.prefills_beside`) joins at the first round
@@ -34,7 +38,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from rapidspec.drafting.calibration import DrafterCosts, TargetCosts
+from rapidspec.drafting.calibration import TargetCosts
 from rapidspec.drafting.gamma_schedule import (
     ACCEPTANCE_PRIOR_STRENGTH,
     FIRST_POSITION_PRIOR,
@@ -119,26 +123,30 @@ class DrafterJoin:
     """Prepares the drafter of one generation between its rounds (module docstring).
 
     ``factory``: the engine's :class:`~.factory.DrafterFactory`; ``prompts``: the generation's PromptPair
-    (maybe deferred); ``target_costs(cache)`` and ``drafter_costs()`` give the calibrated costs;
-    ``acceptance``: the prior a_1..a_max_gamma; ``beside``: a drafter prefilling beside the target's prefill.
+    (maybe deferred); ``costs``: the engine's :class:`~.calibration.EngineCosts`; ``acceptance``: the prior
+    a_1..a_max_gamma and ``kept``: the kept drafter caches' tokens, both read when the generation started;
+    ``beside``: a drafter prefilling beside the target's prefill.
     """
 
-    def __init__(self, factory, prompts, config, stats, device, target_costs, drafter_costs, acceptance: list[float],
-                 retrieval_seconds_per_token, beside: Future | None = None) -> None:
+    def __init__(self, factory, prompts, config, stats, device, costs, acceptance: list[float],
+                 kept: list[tuple[int, ...]], beside: Future | None = None) -> None:
         self.factory, self.prompts, self.config, self.stats, self.device = factory, prompts, config, stats, device
-        self._target_costs, self._drafter_costs = target_costs, drafter_costs
-        self._retrieval_seconds_per_token = retrieval_seconds_per_token
-        self.acceptance, self.beside = acceptance, beside
+        self.costs = costs
+        self.acceptance, self.kept, self.beside = acceptance, kept, beside
         self.done = factory.drafter_kind(config) is None  # joined, or never will
         self._pending = None  # a PendingDrafter while its prefill runs
+        self._pieces_left = 0  # pieces the plan gives the prefill from here
         self.step_costs: StepCosts | None = None
 
-    def now(self):
+    def now(self, target_cache, target_seq: list[int]):
         """Everything before the first round (``drafter_start="first"``): the generation's drafter, or None."""
         self.done = True
         if self.beside is None:
             self._resolve()
-        return self._started()
+        drafter = self._started()
+        if drafter is not None:
+            self._step_costs(target_cache, target_seq)
+        return drafter
 
     def between_rounds(self, target_cache, target_seq: list[int], answer: list[int], remaining: int):
         """One bounded piece of preparation after a round; the drafter once it joins (it has taken ``answer``), else None."""
@@ -146,18 +154,21 @@ class DrafterJoin:
             return None
         if self.beside is not None:  # joins at the first boundary, whatever it cost (spare cores)
             return self._join(self._started(), answer)
-        if self.factory.drafter_kind(self.config) == "lookup":  # no prefill: drafts from the next round
+        target = self.costs.target(self.config, target_cache, target_seq)
+        if self.factory.drafter_kind(self.config) == "lookup":  # no model, no prefill: drafts from the next round
+            self.step_costs = StepCosts(0.0, target.base, target.per_token)
             self._resolve()
             return self._join(self._started(), answer)
-        target = self._target_costs(target_cache, target_seq)
-        drafter = self._drafter_costs(self.config)
+        drafter = self.costs.drafter(self.config)
         self.step_costs = StepCosts(drafter.step, target.base, target.per_token)
+        piece = piece_tokens(target.verify(1), drafter.prefill_per_token)
         if self._pending is None:
             deferred = self.prompts.deferred
             if deferred is not None and deferred.embed_tokens == 0:
                 self._resolve()  # one cheap piece (a query): then the decision knows the drafter's prompt
                 deferred = None
-            if not self._worth(self._prefill_seconds(drafter) + self._retrieval_seconds(), target, remaining):
+            tokens = self._planned_tokens()
+            if not self._worth(tokens * drafter.prefill_per_token + self._retrieval_seconds(), target, remaining):
                 return None
             if deferred is not None:
                 self._resolve()  # one piece: retrieval, embedding the document
@@ -166,10 +177,15 @@ class DrafterJoin:
             if self._pending is None:  # nothing to draft from
                 self.done = True
                 return None
-        elif not self._worth(self._pending.left * drafter.prefill_per_token, target, remaining):
+            self._pieces_left = -(-tokens // piece)
+        elif not self._worth(self._pieces_left * piece * drafter.prefill_per_token, target, remaining):
             return None  # the answer is nearly done: the rest of the prefill would not pay
-        self._pending.advance(piece_tokens(target.verify(1), drafter.prefill_per_token))
-        if not self._pending.ready:
+        if self._pieces_left <= 1:  # the plan's last piece: whatever is left (a cache taken meanwhile)
+            self._pending.advance(None)
+            self._pieces_left = 0
+        else:
+            self._pending.advance(-(-self._pending.left // self._pieces_left))
+            self._pieces_left -= 1
             return None
         pending, self._pending = self._pending, None
         return self._join(pending.drafter(), answer)
@@ -195,16 +211,25 @@ class DrafterJoin:
         deferred = self.prompts.deferred
         if deferred is None or deferred.embed_tokens == 0:
             return 0.0
-        return deferred.embed_tokens * self._retrieval_seconds_per_token()
+        return deferred.embed_tokens * self.costs.embedding()
 
-    def _prefill_seconds(self, drafter: DrafterCosts) -> float:
-        """What the drafter's prefill would cost now: its prompt less what a kept cache holds (the whole
-        retrieval budget while the prompt is not known yet)."""
+    def _step_costs(self, target_cache, target_seq: list[int]) -> TargetCosts:
+        """The calibrated costs the schedule plans with (:attr:`step_costs`; a lookup drafter costs nothing); the
+        target's returned."""
+        target = self.costs.target(self.config, target_cache, target_seq)
+        lookup = self.factory.drafter_kind(self.config) == "lookup"
+        draft_step = 0.0 if lookup else self.costs.drafter(self.config).step
+        self.step_costs = StepCosts(draft_step, target.base, target.per_token)
+        return target
+
+    def _planned_tokens(self) -> int:
+        """Tokens the drafter's prefill feeds by the plan: its prompt less what the kept caches held when the
+        generation started (the retrieval budget while the prompt is not known yet)."""
         if self.prompts.deferred is not None:
-            tokens = self.prompts.deferred.drafter_tokens
-        else:
-            tokens = len(self.prompts.drafter_ids) - 1 - self.factory.kept_prefix(self.prompts, self.config)
-        return max(0, tokens) * drafter.prefill_per_token
+            return self.prompts.deferred.drafter_tokens
+        if self.prompts.drafter_ids is None:
+            return 0
+        return max(0, len(self.prompts.drafter_ids) - 1 - self.factory.kept_prefix(self.prompts, self.config, self.kept))
 
     def _resolve(self) -> None:
         if self.prompts.deferred is not None:

@@ -60,15 +60,28 @@ class Rounds:
         started, retrieval_before = time.perf_counter(), self.stats.retrieval_seconds
         drafter = self.join.between_rounds(self.target_cache, self.target_seq, self.target_seq[prompt_length:], remaining)
         if drafter is not None:
-            self.drafter, self.vocab = drafter, drafter.vocab_size
-            self.schedule = self.fixed_schedule or new_schedule(self.config, self.join.step_costs)
-            self.stats.drafter_joined_at = len(self.target_seq) - prompt_length
-            self.stats.drafter_join_seconds = time.perf_counter() - self.started
-        if self.sync and drafter is not None and drafter.cache is not None:
-            sync(drafter.device)
+            self._joined(drafter, len(self.target_seq) - prompt_length, new_schedule)
         seconds = time.perf_counter() - started
         self.prepare_seconds += seconds
         self.stats.drafter_prefill_seconds += max(0.0, seconds - (self.stats.retrieval_seconds - retrieval_before))
+
+    def prepare_drafter_now(self, new_schedule) -> None:
+        """``drafter_start="first"``: retrieval and the drafter's prefill before the first round (counted as drafter
+        prefill; with a drafter prefilling beside the target's, the wait after it)."""
+        started = time.perf_counter()
+        drafter = self.join.now(self.target_cache, self.target_seq)
+        if drafter is not None:
+            self._joined(drafter, 0, new_schedule)
+        self.stats.drafter_prefill_seconds = time.perf_counter() - started
+
+    def _joined(self, drafter, after_tokens: int, new_schedule) -> None:
+        """The drafter takes part from the next round, with the caller's schedule or one over the calibrated costs."""
+        if self.sync and drafter.cache is not None:
+            sync(drafter.device)
+        self.drafter, self.vocab = drafter, drafter.vocab_size
+        self.schedule = self.fixed_schedule or new_schedule(self.config, self.join.step_costs)
+        self.stats.drafter_joined_at = after_tokens
+        self.stats.drafter_join_seconds = time.perf_counter() - self.started
 
     def wait_for_drafter(self) -> None:
         if self.sync and self.drafter is not None and self.drafter.cache is not None:
