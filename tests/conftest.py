@@ -7,8 +7,13 @@
   transformers' own assisted-generation tests use.
 * ``MarkovLM``: a model whose next-token logits depend only on the last token,
   from a fixed table, so that exact output distributions can be computed.
-* ``attention_choices_file`` (autouse): attention paths measured during the
-  session are kept in a temporary file, not in the user's cache directory.
+* ``attention_choices_file``, ``step_costs_file`` (autouse): attention paths
+  and step costs measured during the session are kept in temporary files, not
+  in the user's cache directory.
+* ``drafter_from_the_first_round``: tests of the rounds' math (invariants,
+  distributions, the drafter backends) decode with ``drafter_start="first"``,
+  the drafter in every round from the first; how it joins by default is
+  tested in test_drafter_join.py and test_determinism.py.
 """
 
 from __future__ import annotations
@@ -84,6 +89,28 @@ def attention_choices_file(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAPIDSPEC_ATTENTION_PATHS", str(path))
         yield path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def step_costs_file(tmp_path_factory):
+    """Step costs calibrated by tests are kept in a file of this session, not the user's cache (subprocesses too)."""
+    path = tmp_path_factory.mktemp("costs") / "step_costs.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAPIDSPEC_STEP_COSTS", str(path))
+        yield path
+
+
+@pytest.fixture
+def drafter_from_the_first_round(monkeypatch):
+    """Every generation of the test prepares its drafter before the first round (``drafter_start="first"``)."""
+    from rapidspec import Rapid
+
+    decode = Rapid.decode
+
+    def first(self, prompts, config, **options):
+        return decode(self, prompts, config.with_(drafter_start="first"), **options)
+
+    monkeypatch.setattr(Rapid, "decode", first)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,8 @@ def report(tiny_model):
     items = [speed.BenchItem(DOCUMENT, QUESTION, 0), speed.BenchItem(DOCUMENT[:250], QUESTION, 0)]
     # eta = 0: rapid is then plain speculative decoding and must equal lc.
     return speed.run_benchmark(
-        engine, items, speed.DEFAULT_MODES, DecodeConfig(max_new_tokens=12, eta=0.0), repeats=2, profile=True
+        engine, items, speed.DEFAULT_MODES, DecodeConfig(max_new_tokens=12, eta=0.0, drafter_start="first"), repeats=2,
+        profile=True,
     )
 
 

@@ -10,6 +10,9 @@ from rapidspec.drafting import streaming_view
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig
 
+# the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
+pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
+
 DOCUMENT = "\n\n".join(f"Entry {i}: the ferry left pier {i % 9} at {i} minutes past noon." for i in range(60))
 QUESTION = "When did the ferry of entry 41 leave?"
 

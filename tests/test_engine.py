@@ -11,6 +11,9 @@ from rapidspec.drafting.gamma_schedule import PROBE_DRAFTS, PROBE_EVERY, CostSch
 from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
 
+# the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
+pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
+
 DOCUMENT = "\n\n".join(
     f"Paragraph {i}: the river town kept {i} boats and a lighthouse painted shade {i % 7}." for i in range(40)
 )
@@ -61,7 +64,7 @@ def test_caches_hold_exactly_the_committed_tokens(tiny_model, other_tiny_model):
         checked.append(len(target_seq))
 
     out = engine(tiny_model, other_tiny_model).generate(
-        DOCUMENT, QUESTION, mode="rapid", eta=2.0, gamma=3, temperature=1.0, seed=3, max_new_tokens=30,
+        DOCUMENT, QUESTION, mode="rapid", eta=2.0, gamma=3, temperature=1.0, seed=3, max_new_tokens=30, gamma_schedule="constant",
         observer=observer,
     )
     assert len(checked) == out.stats.rounds >= 5
@@ -230,7 +233,7 @@ def decode_with(rapid: Rapid, config: DecodeConfig, schedule, observer=None):
 @pytest.mark.parametrize("mode", ["sd", "ragsd", "rapid"])
 @pytest.mark.parametrize("drafter_kind", ["self", "random"])
 def test_cost_schedule_greedy_eta_zero_equals_lc(tiny_model, other_tiny_model, lc_output, mode, drafter_kind):
-    """Invariant 1 with k chosen from measured costs (whatever it chooses)."""
+    """Invariant 1 with k chosen from the calibrated costs (whatever it chooses)."""
     drafter = None if drafter_kind == "self" else other_tiny_model
     out = engine(tiny_model, drafter).generate(
         DOCUMENT, QUESTION, mode=mode, eta=0.0, gamma=4, gamma_schedule="cost", max_new_tokens=40
@@ -261,7 +264,7 @@ def test_cost_schedule_with_dear_drafts_takes_plain_steps(tiny_model, lc_output)
         checked.append(len(drafter_seq) - drafter_cache.length)
 
     config = DecodeConfig(mode="sd", gamma=4, gamma_schedule="cost", max_new_tokens=40)
-    out = decode_with(engine(tiny_model), config, CostSchedule(4, 16, 0.0, fixed_costs=DEAR_DRAFTS), observer)
+    out = decode_with(engine(tiny_model), config, CostSchedule(4, 16, 0.0, DEAR_DRAFTS), observer)
     assert out.token_ids == lc_output.token_ids
     stats = out.stats
     assert (stats.rounds, stats.plain_rounds, stats.drafted_tokens, stats.accepted_tokens) == (32, 29, 8, 8)
@@ -280,7 +283,7 @@ def test_cost_schedule_with_dear_drafts_takes_plain_steps_when_eta_is_positive(
     drafter = None if drafter_kind == "self" else other_tiny_model
     config = DecodeConfig(mode="rapid", eta=2.0, gamma=4, max_new_tokens=40)
     rapid = engine(tiny_model, drafter)
-    out = decode_with(rapid, config, CostSchedule(4, 16, 2.0, fixed_costs=DEAR_DRAFTS))
+    out = decode_with(rapid, config, CostSchedule(4, 16, 2.0, DEAR_DRAFTS))
     stats = out.stats
     drafting = stats.rounds - stats.plain_rounds
     assert drafting <= 1 + stats.rounds // PROBE_EVERY and stats.plain_rounds >= stats.rounds - drafting

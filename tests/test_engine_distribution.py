@@ -25,6 +25,9 @@ from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
 from tests.test_engine import PlainSteps
 
+# the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
+pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
+
 DOCUMENT = "\n\n".join(f"Line {i} of a short note about apples and pears." for i in range(30))
 QUESTION = "What fruit is named?"
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)
@@ -128,7 +131,7 @@ def test_sampled_sequences_follow_the_target(markov_pair, mode, eta, confidence)
     for _ in range(n):
         out = rapid.generate(
             DOCUMENT, QUESTION, mode=mode, eta=eta, gamma=2, temperature=1.0, max_new_tokens=3,
-            draft_confidence=confidence, generator=generator,
+            draft_confidence=confidence, generator=generator, gamma_schedule="constant",
         )
         counts[tuple(index[t] for t in out.token_ids)] += 1
     expected = expected_joint(eta, 0.1, 3).ravel() * n
@@ -166,7 +169,7 @@ def test_cost_schedule_sampled_sequences_follow_the_target(markov_pair, mode, et
     plain_rounds = drafted_again = drafted_two = 0
     for _ in range(n):
         costs = HISTORY_DEPENDENT_COSTS if eta == 0 else CHEAP_DRAFT_COSTS
-        schedule = CostSchedule(config.gamma, config.max_gamma, eta, fixed_costs=costs)
+        schedule = CostSchedule(config.gamma, config.max_gamma, eta, costs)
         out = last_output(rapid.decode(prompts, config, generator=generator, schedule=schedule))
         counts[tuple(index[t] for t in out.token_ids[:3])] += 1
         plain_rounds += out.stats.plain_rounds
@@ -190,7 +193,7 @@ def test_plain_rounds_follow_the_target_even_when_eta_is_positive(markov_pair):
     """
     target, drafter, states = markov_pair
     rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)
-    config = DecodeConfig(mode="rapid", eta=3.0, gamma=1, temperature=1.0, max_new_tokens=3)
+    config = DecodeConfig(mode="rapid", eta=3.0, gamma=1, temperature=1.0, max_new_tokens=3, gamma_schedule="constant")
     prompts = rapid.document_prompts(DOCUMENT, QUESTION, config)
     generator = torch.Generator().manual_seed(13)
     n = 3000
@@ -229,7 +232,7 @@ def test_forced_all_accepted_gives_the_bonus_token(byte_tokenizer):
     chain = {"a": "b", "b": "c", "c": "d", "d": "e", "e": "f", "f": "g", "g": "h"}
     target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
     out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
-        DOCUMENT, QUESTION, mode="ragsd", gamma=3, max_new_tokens=8
+        DOCUMENT, QUESTION, mode="ragsd", gamma=3, max_new_tokens=8, gamma_schedule="constant"
     )
     assert out.text == "abcdefgh"
     # rounds: [a b c] + d bonus, [e f g] + h bonus
@@ -243,7 +246,7 @@ def test_forced_draft_confidence_ends_the_round_after_an_unsure_draft(byte_token
     b, y = byte_tokenizer.convert_tokens_to_ids(["b", "y"])
     drafter.model.table[b, y] = -0.01
     out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
-        DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=8, draft_confidence=0.6
+        DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=8, draft_confidence=0.6, gamma_schedule="constant"
     )
     assert out.text == "abcdefgh"
     # rounds: [a b c] stops after the unsure c, + d bonus; then [e f g] (3 left to draft) + h bonus.
@@ -257,7 +260,7 @@ def test_forced_first_rejected_emits_the_target_token(byte_tokenizer):
     draft_chain = {"a": "x", "x": "y", "y": "z", "z": "x", "b": "x", "c": "x", "d": "x", "e": "x", "f": "x"}
     target, drafter = forced(byte_tokenizer, target_chain, draft_chain, "a", "q")
     out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
-        DOCUMENT, QUESTION, mode="ragsd", gamma=3, max_new_tokens=6
+        DOCUMENT, QUESTION, mode="ragsd", gamma=3, max_new_tokens=6, gamma_schedule="constant"
     )
     assert out.text == "abcdef"
     assert out.stats.accepted_tokens == 0
@@ -268,7 +271,7 @@ def test_forced_eos_inside_a_draft_stops(byte_tokenizer):
     chain = {"a": "b", "b": "EOS"}
     target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
     out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
-        DOCUMENT, QUESTION, mode="ragsd", gamma=5, max_new_tokens=20
+        DOCUMENT, QUESTION, mode="ragsd", gamma=5, max_new_tokens=20, gamma_schedule="constant"
     )
     assert out.text == "ab"
     assert out.stats.stop_reason == "eos"
@@ -282,7 +285,7 @@ def test_ignore_eos_generates_past_eos_up_to_the_limit(byte_tokenizer, mode):
     chain = {"a": "b", "b": "EOS"}  # after EOS the tables go back to "a"
     target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
     out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
-        DOCUMENT, QUESTION, mode=mode, gamma=4, max_new_tokens=9, ignore_eos=True
+        DOCUMENT, QUESTION, mode=mode, gamma=4, max_new_tokens=9, ignore_eos=True, gamma_schedule="constant"
     )
     eos = byte_tokenizer.eos_token_id
     a, b = byte_tokenizer.convert_tokens_to_ids(["a", "b"])
@@ -303,7 +306,7 @@ def test_greedy_bonus_token_uses_the_drafter_at_the_bonus_position(byte_tokenize
     b, y = byte_tokenizer.convert_tokens_to_ids(["b", "y"])
     target.model.table[b, y] = -0.1
     out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
-        DOCUMENT, QUESTION, mode=mode, gamma=2, max_new_tokens=3
+        DOCUMENT, QUESTION, mode=mode, gamma=2, max_new_tokens=3, gamma_schedule="constant"
     )
     assert out.text == expected
     assert out.stats.rounds == 1 and out.stats.accepted_tokens == 2

@@ -17,6 +17,9 @@ from rapidspec.sampling import SamplingParams
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
 
+# the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
+pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
+
 DOCUMENT = "\n\n".join(f"Entry {i}: the harbour logged {i} ships and a crane painted shade {i % 5}." for i in range(60))
 QUESTION = "How many ships did the harbour log in entry 23?"
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=300)

@@ -66,7 +66,8 @@ def test_eval_passes_draft_confidence_through(tiny_cli, tmp_path, capsys):
     results = tmp_path / "results.jsonl"
     data = write_leval(tmp_path / "quality.jsonl")
     assert main(["eval", "--data", str(data), "--limit", "1", "--modes", "rapid", "--max-new-tokens", "6",
-                 "--draft-confidence", "0.999", "--results", str(results), *SMALL_RETRIEVAL]) == 0
+                 "--draft-confidence", "0.999", "--gamma-schedule", "constant", "--results", str(results),
+                 *SMALL_RETRIEVAL]) == 0
     record = json.loads(results.read_text().splitlines()[0])
     assert record["config"]["decode"]["draft_confidence"] == 0.999
     stats = record["stats"]

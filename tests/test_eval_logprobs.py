@@ -38,7 +38,9 @@ def top1(rows):
 
 
 def test_views_reproduce_each_greedy_answer(items, tiny_model, other_tiny_model, tmp_path):
-    result, records = run(items, tiny_model, tmp_path, drafter=other_tiny_model)
+    # every rapid token from p^ (the walk's assumption): no plain round of the cost schedule
+    result, records = run(items, tiny_model, tmp_path, drafter=other_tiny_model,
+                          decode_options={"gamma_schedule": "constant"})
     modes = [r["mode"] for r in records[: len(records) // len(items)]]
     assert modes == ["lc", "rag", "rapid", "rapid", "rapid", "drafter"]  # the drafter's own answer, named as such
     assert records[0]["config"]["logprobs"] == 20

@@ -15,6 +15,9 @@ from rapidspec.runtime.gguf_copy import copy_path, copy_type, weight_type
 from rapidspec.runtime.llama_cpp import llama_cpp_available
 from tests.tiny_gguf import write_tiny_gguf
 
+# the drafter in every round (drafter_start="first"; the default join: test_drafter_join.py)
+pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
+
 if not llama_cpp_available() and torch.cuda.is_available():  # CUDA machines skip the llama.cpp build
     pytest.skip("llama-cpp-python is not built on CUDA machines", allow_module_level=True)
 

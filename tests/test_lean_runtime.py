@@ -26,6 +26,9 @@ from rapidspec.runtime.protocol import KVCacheProtocol
 from tests.conftest import make_tiny_model
 from tests.test_engine_distribution import augmented_numpy
 
+# the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
+pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
+
 DOCUMENT = "\n\n".join(
     f"Section {i}. The lighthouse keeper wrote that the lamp was {c} on day {i}." for i, c in
     enumerate(["red", "green", "blue", "amber"] * 6)
@@ -194,7 +197,8 @@ def test_sampled_tokens_on_the_lean_path_follow_the_target(byte_tokenizer, eta):
     target, drafter = with_lean(make_tiny_model(6, byte_tokenizer)), with_lean(make_tiny_model(7, byte_tokenizer))
     engine = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)
     mode = "rapid" if eta else "ragsd"
-    options = dict(mode=mode, eta=eta, temperature=1.0, top_k=2, max_new_tokens=2, ignore_eos=True, gamma=2)
+    options = dict(mode=mode, eta=eta, temperature=1.0, top_k=2, max_new_tokens=2, ignore_eos=True, gamma=2,
+                   drafter_start="first", gamma_schedule="constant")
     config = DecodeConfig(**options)
     prompts = engine.document_prompts(DOCUMENT[:700], QUESTION, config)
 

@@ -23,6 +23,9 @@ from rapidspec.runtime.cache import common_prefix_length
 from rapidspec.runtime.llama_cpp import LlamaCppModel, llama_cpp_available
 from tests.tiny_gguf import write_tiny_gguf
 
+# the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
+pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
+
 if not llama_cpp_available() and torch.cuda.is_available():  # CUDA machines skip the llama.cpp build
     pytest.skip("llama-cpp-python is not built on CUDA machines", allow_module_level=True)
 
@@ -218,7 +221,7 @@ def test_a_question_reuses_the_drafter_cache_of_an_earlier_one_not_only_the_last
     one_chunk = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=96)
     engine = Rapid(tiny_model, ggufs["self"], retrieval=one_chunk, drafter_backend="llama.cpp")
     other = "What shade was the lighthouse of paragraph 3?"
-    config = DecodeConfig(mode="rapid", eta=1.0, gamma=4, max_new_tokens=8)
+    config = DecodeConfig(mode="rapid", eta=1.0, gamma=4, max_new_tokens=8, drafter_start="first")
     first = engine.generate(DOCUMENT, QUESTION, config=config)
     engine.generate(DOCUMENT, other, config=config)
     again = engine.generate(DOCUMENT, QUESTION, config=config)

@@ -40,7 +40,8 @@ def test_kinds_follow_the_round():
 
 @pytest.mark.parametrize("mode", ["rapid", "lc"])
 def test_traced_chunks_tell_each_tokens_round_and_kind(server, mode):
-    chunks = events(server, ASK | {"trace": True, "mode": mode, "gamma_schedule": "constant", "logprobs": True})
+    chunks = events(server, ASK | {"trace": True, "mode": mode, "gamma_schedule": "constant", "logprobs": True,
+                                   "drafter_start": "first"})
     traced = [c for c in chunks if "tokens" in c.get("rapidspec", {})]
     assert traced and [c["rapidspec"]["round"]["index"] for c in traced] == list(range(1, len(traced) + 1))
     kinds = {t["kind"] for c in traced for t in c["rapidspec"]["tokens"]}

@@ -78,7 +78,9 @@ def register(subparsers) -> None:
     add_decode_options(parser, modes=False)
     add_retrieval_options(parser)
     # 256-token chunks: the default 512 exceeds the default budget (doc/16, at least 256) below ~8K tokens.
-    parser.set_defaults(handler=run, max_new_tokens=None, seed=0, chunk_tokens=256)
+    # drafter_start: the paper's setting (every token of rapid from p^), unless --drafter-start auto asks for the
+    # serving default (short answers then come from the target alone: rapidspec.drafting.join)
+    parser.set_defaults(handler=run, max_new_tokens=None, seed=0, chunk_tokens=256, drafter_start="first")
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
               if f.name in _PASSED_THROUGH and getattr(base, f.name) != getattr(defaults, f.name)}
     if "stop" in passed:
         passed["stop"] = list(passed["stop"])
+    passed["drafter_start"] = base.drafter_start  # the runner's default is eval's ("first"), not the engine's
     if not 0 <= args.logprobs <= MAX_TOP_LOGPROBS:
         raise RapidspecError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {args.logprobs}")
     if args.limit is not None and args.limit < 1:
