@@ -55,6 +55,7 @@ class GenerationStats:
     time_to_first_token: float = 0.0  # seconds from the start of the generation (its prefill) to its first token
     drafter_joined_at: int | None = None  # answer tokens before the first drafting round (None: it never joined)
     drafter_join_seconds: float | None = None  # seconds from the start of the generation to that round
+    drafter_error: str | None = None  # why the drafter's preparation stopped (the answer went on without it)
     # Where decode time goes (see ``rapidspec bench --profile``).
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0

@@ -204,3 +204,16 @@ def test_speculative_metrics_in_vllms_schema(tiny_model):
     assert metrics["mean_acceptance_length"] == pytest.approx(1 + stats.accepted_tokens / drafts)
     histogram = metrics["acceptance_histogram"]
     assert sum(histogram) == drafts and sum(i * n for i, n in enumerate(histogram)) == stats.accepted_tokens
+
+
+def test_a_retrieval_that_refuses_the_request_leaves_the_answer_to_the_target(tiny_model):
+    """The preparation runs after the first token: a budget below every chunk ends it, not the answer."""
+    rapid = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=1),
+                  drafter_backend="torch")
+    rapid.costs = StaticCosts()
+    lc = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=30, ignore_eos=True)
+    out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=30, ignore_eos=True)
+    assert out.token_ids == lc.token_ids and out.stats.drafter_joined_at is None
+    assert "budget of 1 tokens" in out.stats.drafter_error
+    with pytest.raises(Exception, match="budget of 1 tokens"):  # before the first round: the request's error
+        rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=30, drafter_start="first")

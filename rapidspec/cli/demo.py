@@ -79,11 +79,18 @@ def run(args: argparse.Namespace) -> int:
         f"[bold]Speedup of rapid over lc[/bold] (same process, same input): "
         f"decode {decode_speedup:.2f}x, end to end {end_to_end:.2f}x"
     )
-    if end_to_end < 1:
-        out.print(
-            f"[dim]Why end to end is slower here: on a {rapid.new_tokens}-token answer rapid saved "
-            f"{lc.decode_seconds - rapid.decode_seconds:.2f} s of decoding but spent {rapid.retrieval_seconds:.2f} s "
-            f"indexing the document for retrieval (once per document) and {rapid.drafter_prefill_seconds:.2f} s "
-            f"prefilling the drafter; the gain grows with the answer's length.[/dim]"
-        )
+    out.print(f"[dim]{join_note(rapid)}[/dim]")
     return 0
+
+
+def join_note(rapid) -> str:
+    """One line on when rapid's drafter joined the answer (rapidspec.drafting.join), from its statistics."""
+    if rapid.drafter_error:
+        return f"rapid answered without its drafter: {rapid.drafter_error}"
+    if rapid.drafter_joined_at is None:
+        return (f"rapid's first token came from the target ({rapid.time_to_first_token:.2f} s) and its drafter never "
+                f"joined: for a {rapid.new_tokens}-token answer retrieval and the drafter's prefill would have cost "
+                f"more than they save, so it answered as lc does (--max-new-tokens or a longer answer changes that)")
+    return (f"rapid's first token came from the target ({rapid.time_to_first_token:.2f} s); retrieval "
+            f"({rapid.retrieval_seconds:.2f} s) and the drafter's prefill ({rapid.drafter_prefill_seconds:.2f} s) ran "
+            f"between the next rounds and the drafter joined after {rapid.drafter_joined_at} tokens")

@@ -78,9 +78,10 @@ def register(subparsers) -> None:
     add_decode_options(parser, modes=False)
     add_retrieval_options(parser)
     # 256-token chunks: the default 512 exceeds the default budget (doc/16, at least 256) below ~8K tokens.
-    # drafter_start: the paper's setting (every token of rapid from p^), unless --drafter-start auto asks for the
-    # serving default (short answers then come from the target alone: rapidspec.drafting.join)
-    parser.set_defaults(handler=run, max_new_tokens=None, seed=0, chunk_tokens=256, drafter_start="first")
+    # the paper's setting, every token of rapid from p^: the drafter from the first round, gamma drafts a round
+    # (--drafter-start auto --gamma-schedule auto ask for the serving defaults: rapidspec.drafting.join)
+    parser.set_defaults(handler=run, max_new_tokens=None, seed=0, chunk_tokens=256, drafter_start="first",
+                        gamma_schedule="constant")
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -107,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
               if f.name in _PASSED_THROUGH and getattr(base, f.name) != getattr(defaults, f.name)}
     if "stop" in passed:
         passed["stop"] = list(passed["stop"])
-    passed["drafter_start"] = base.drafter_start  # the runner's default is eval's ("first"), not the engine's
+    # the runner's defaults are eval's (the paper's setting), not the engine's
+    passed["drafter_start"], passed["gamma_schedule"] = base.drafter_start, base.gamma_schedule
     if not 0 <= args.logprobs <= MAX_TOP_LOGPROBS:
         raise RapidspecError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {args.logprobs}")
     if args.limit is not None and args.limit < 1:

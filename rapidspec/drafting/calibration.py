@@ -127,11 +127,19 @@ def measure_verify(cache, pending: Sequence[int], tokens: int, repeats: int = RE
 
 
 def measure_drafter(new_cache: Callable[[int], object], token: int, repeats: int = REPEATS) -> DrafterCosts:
-    """A drafter's step and prefill costs on a fresh cache from ``new_cache(capacity)`` (dropped afterwards)."""
+    """A drafter's step and prefill costs on a fresh cache from ``new_cache(capacity)`` (dropped afterwards).
+
+    A first prefill and steps at the measured lengths run untimed first (kernels, allocators and the attention
+    paths a runtime picks per shape warm up on them); then a prefill of :data:`DRAFTER_PROBE_TOKENS` tokens and
+    ``repeats`` steps after it are timed.
+    """
+    capacity = DRAFTER_PROBE_TOKENS + 2 * repeats + 2
     with unbatched():
-        cache = new_cache(DRAFTER_PROBE_TOKENS + repeats + 2)
-        cache.reserve(DRAFTER_PROBE_TOKENS + repeats + 2)
-        cache.forward([token], 1)  # warm-up
+        cache = new_cache(capacity)
+        cache.reserve(capacity)
+        cache.prefill([token] * DRAFTER_PROBE_TOKENS)
+        for _ in range(repeats):
+            cache.forward([token], 1)
         cache.crop(0)
         prefill = _timed(lambda: cache.prefill([token] * DRAFTER_PROBE_TOKENS), cache.device)
         steps = [_timed(lambda: cache.forward([token], 1), cache.device) for _ in range(repeats)]

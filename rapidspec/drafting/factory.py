@@ -152,16 +152,20 @@ class DrafterFactory:
         return self.pool(config.drafter_backend).kept_tokens()
 
     def kept_prefix(self, prompts, config, kept: list[tuple[int, ...]]) -> int:
-        """Tokens of the drafter's prompt that the caches ``kept`` (:meth:`kept_tokens`) hold (0 without a model drafter)."""
+        """Tokens of the drafter's prompt the caches ``kept`` (:meth:`kept_tokens`) hold (0 without a model drafter)."""
         if self.drafter_kind(config) != "model" or prompts.drafter_ids is None:
             return 0
         return self.pool(config.drafter_backend).kept_prefix(prompts.drafter_ids, kept)
 
     def costs_key(self, config) -> str:
-        """What a drafter's measured costs are kept under: its pool's label and threads."""
+        """What a drafter's measured costs are kept under: its weights (the GGUF file, or the torch model's name,
+        dtype, device and runtime) and llama.cpp's threads."""
         pool = self.pool(config.drafter_backend)
-        threads = f"{self.threads} threads" if isinstance(pool, LlamaCppDrafters) else ""
-        return f"drafter {pool.label} {threads}".strip()
+        if isinstance(pool, LlamaCppDrafters):
+            return f"drafter {pool.model.path} ({pool.model.description}) on llama.cpp, {self.threads} threads"
+        model = self.model
+        return (f"drafter {model.label} (target {self.target.label}) {model.dtype} {model.device.type} "
+                f"{model.runtime} on torch")
 
     def prefills_beside(self, config) -> bool:
         """Whether this generation's drafter prefills while the target prefills (module docstring)."""

@@ -33,12 +33,14 @@ everything before the first round (the paper's setting: every round drafts).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 from rapidspec.drafting.calibration import TargetCosts
+from rapidspec.errors import RapidspecError
 from rapidspec.drafting.gamma_schedule import (
     ACCEPTANCE_PRIOR_STRENGTH,
     FIRST_POSITION_PRIOR,
@@ -48,6 +50,8 @@ from rapidspec.drafting.gamma_schedule import (
     expected_round_seconds,
     expected_tokens,
 )
+
+logger = logging.getLogger(__name__)
 
 #: A prefill piece feeds at least this many tokens (a chunk smaller than this costs mostly overhead).
 MIN_PIECE_TOKENS = 16
@@ -149,9 +153,22 @@ class DrafterJoin:
         return drafter
 
     def between_rounds(self, target_cache, target_seq: list[int], answer: list[int], remaining: int):
-        """One bounded piece of preparation after a round; the drafter once it joins (it has taken ``answer``), else None."""
+        """One bounded piece of preparation after a round; the drafter once it joins (it has taken ``answer``), else None.
+
+        A request-level error of the preparation (retrieval refusing the request's budget, say) ends it: the answer
+        goes on without the drafter (the target's tokens, as lc's) and ``stats.drafter_error`` says why.
+        """
         if self.done or remaining <= 1:
             return None
+        try:
+            return self._between_rounds(target_cache, target_seq, answer, remaining)
+        except RapidspecError as err:
+            logger.warning("answering without the drafter: %s", err)
+            self.stats.drafter_error = str(err)
+            self.close()
+            return None
+
+    def _between_rounds(self, target_cache, target_seq: list[int], answer: list[int], remaining: int):
         if self.beside is not None:  # joins at the first boundary, whatever it cost (spare cores)
             return self._join(self._started(), answer)
         target = self.costs.target(self.config, target_cache, target_seq)

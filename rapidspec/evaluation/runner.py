@@ -245,7 +245,8 @@ def run_eval(
     model than the target and a mode drafts from retrieved text, each item
     also gets a record of mode ``drafter``: the drafter's own answer on the
     retrieved text (rag with the drafter's weights). Drafting modes prepare their drafter before the first
-    round (``drafter_start="first"``, the paper's setting) unless ``decode_options`` say otherwise.
+    round and draft ``gamma`` a round (``drafter_start="first"``, ``gamma_schedule="constant"``: the paper's
+    setting) unless ``decode_options`` say otherwise.
     """
     from rapidspec.retrieval import RetrievalConfig
 
@@ -262,7 +263,8 @@ def run_eval(
     decode_options = dict(decode_options or {})
     corpora = retrieval_corpora(items, retrieve_from, other_items)
     base = DecodeConfig(**{"mode": "rapid", "eta": eta, "gamma": gamma, "max_gamma": max(gamma, DecodeConfig.max_gamma),
-                           "temperature": temperature, "seed": seed, "drafter_start": "first", **decode_options})
+                           "temperature": temperature, "seed": seed, "drafter_start": "first",
+                           "gamma_schedule": "constant", **decode_options})
     if logprobs < 0 or logprobs > MAX_TOP_LOGPROBS:
         raise RapidspecError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
     if logprobs and any(item.messages for item in items):
