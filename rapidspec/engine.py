@@ -284,7 +284,7 @@ class Rapid:
                     run.drafter.close(keep=consistent)
                 if use_store and consistent:
                     self.prefix_cache.store(target_cache)  # the cache is the store's from now on
-                if consistent and run.drafter is not None and run.drafter.cache is not None:
+                if consistent and self.drafting.drafter_kind(config) == "model":
                     self.acceptance.record(stats.drafted_per_position, stats.accepted_per_position)
 
     def clear_document_cache(self) -> None:

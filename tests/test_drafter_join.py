@@ -22,6 +22,7 @@ from rapidspec.drafting.calibration import (
 )
 from rapidspec.drafting.gamma_schedule import StepCosts
 from rapidspec.drafting.join import (
+    MEMORY_PRIOR,
     MIN_PIECE_TOKENS,
     AcceptanceMemory,
     drafting_seconds_per_token,
@@ -72,14 +73,15 @@ def test_buckets_and_verify_lines():
     assert line_through(1, 0.2, 8, 0.1) == TargetCosts(0.2, 0.0)  # noise giving a negative slope: flat
 
 
-def test_acceptance_memory_starts_at_the_prior_and_learns():
+def test_acceptance_memory_starts_at_the_prior_learns_and_forgets():
     memory = AcceptanceMemory()
-    assert memory.estimates(3) == pytest.approx([0.5, 0.5, 0.5])
+    assert memory.estimates(3) == pytest.approx([MEMORY_PRIOR] * 3)
     memory.record([4, 4, 2], [4, 2, 0])  # position 1 always, 2 half, 3 never
     a = memory.estimates(3)
-    assert a[0] == pytest.approx(4.5 / 5) and a[1] == pytest.approx((a[0] + 2) / 5) and a[2] < a[1]
-    memory.record([], [])  # an answer that never drafted changes nothing
-    assert memory.estimates(3) == a
+    assert a[0] == pytest.approx((MEMORY_PRIOR + 4) / 5) and a[1] == pytest.approx((a[0] + 2) / 5) and a[2] < a[1]
+    memory.record([], [])  # an answer whose drafter did not join: the counts decay toward the prior
+    b = memory.estimates(3)
+    assert b[0] == pytest.approx((MEMORY_PRIOR + 3.6) / 4.6) and b[2] > a[2]
 
 
 # ------------------------------------------------------------------ calibration
@@ -170,8 +172,11 @@ def test_a_drafter_that_will_not_pay_is_never_prefilled(tiny_model):
     assert out.token_ids == lc.token_ids
     assert out.stats.drafter_joined_at is None and out.stats.drafted_tokens == 0
     assert out.stats.drafter_prefill_reused_tokens == 0 and rapid.drafting.pool("torch").kept == 0
-    short = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=3, ignore_eos=True)
-    assert short.stats.drafter_joined_at is None  # 3 tokens never pay for a prefill
+    costs = StaticCosts(drafter=DrafterCosts(0.01, 0.001))  # 0.2 s to prefill: pays on a long answer only
+    short = engine(tiny_model, costs).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=3, ignore_eos=True)
+    assert short.stats.drafter_joined_at is None
+    long = engine(tiny_model, costs).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=60, ignore_eos=True)
+    assert long.stats.drafter_joined_at is not None
 
 
 def test_an_answer_ending_mid_prefill_keeps_the_prefix_for_the_next_question(tiny_model):

@@ -43,7 +43,6 @@ from rapidspec.drafting.calibration import TargetCosts
 from rapidspec.errors import RapidspecError
 from rapidspec.drafting.gamma_schedule import (
     ACCEPTANCE_PRIOR_STRENGTH,
-    FIRST_POSITION_PRIOR,
     StepCosts,
     acceptance_estimates,
     best_drafts,
@@ -55,8 +54,13 @@ logger = logging.getLogger(__name__)
 
 #: A prefill piece feeds at least this many tokens (a chunk smaller than this costs mostly overhead).
 MIN_PIECE_TOKENS = 16
-#: Finished answers' acceptance counts decay by this per answer (about the last 10 answers weigh).
+#: Finished answers' acceptance counts decay by this per answer, drafted or not (about the last 10 answers weigh;
+#: after answers without the drafter the prior comes back, so a drafter judged poor is tried again).
 MEMORY_DECAY = 0.9
+#: What the start decision expects before an engine has answered: each draft accepted with this probability once
+#: the ones before it were (a round of 6 keeps 2.1 on average). Self-speculation kept 42-100% of its drafts in the
+#: measured runs (docs/speed.md); with 0.5 a 128-token answer never paid for the built-in drafter's prefill.
+MEMORY_PRIOR = 0.7
 
 
 def drafting_seconds_per_token(costs: StepCosts, acceptance: Sequence[float], max_gamma: int,
@@ -96,8 +100,9 @@ def piece_tokens(plain_step: float, prefill_per_token: float) -> int:
 class AcceptanceMemory:
     """Per-position acceptance of an engine's finished answers (decayed counts), the prior of the start decision.
 
-    :meth:`estimates` gives a_i for i = 1..max_gamma (the Beta prior of :mod:`.gamma_schedule` with no answers
-    yet); :meth:`record` adds a finished answer's per-position counts. Thread-safe.
+    :meth:`estimates` gives a_i for i = 1..max_gamma (:data:`MEMORY_PRIOR` with no answers yet); :meth:`record`
+    decays the counts and adds a finished answer's per-position counts (none when its drafter did not join).
+    Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -109,11 +114,9 @@ class AcceptanceMemory:
         with self._lock:
             accepted = (self._accepted + [0.0] * positions)[:positions]
             drafted = (self._drafted + [0.0] * positions)[:positions]
-        return acceptance_estimates(accepted, drafted, ACCEPTANCE_PRIOR_STRENGTH, FIRST_POSITION_PRIOR)
+        return acceptance_estimates(accepted, drafted, ACCEPTANCE_PRIOR_STRENGTH, MEMORY_PRIOR)
 
     def record(self, drafted_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> None:
-        if not any(drafted_per_position):
-            return
         with self._lock:
             size = max(len(self._drafted), len(drafted_per_position))
             grow = lambda xs: [x * MEMORY_DECAY for x in xs] + [0.0] * (size - len(xs))  # noqa: E731
