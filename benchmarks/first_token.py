@@ -3,15 +3,18 @@
     python benchmarks/first_token.py --target builtin --max-new-tokens 8,128 --ignore-eos
     python benchmarks/first_token.py --target builtin:qwen2.5-coder-0.5b --max-new-tokens 8,128 --ignore-eos
 
-One engine answers the built-in questions about the demo document (those of
-``rapidspec bench serve``), as a chat with the document, through the Python API:
+Two engines over the same models, one answering in lc and one in rapid,
+answer the built-in questions about the demo document (those of ``rapidspec
+bench serve``), as a chat with the document, through the Python API (two, so
+that neither finds the other's answer to the same question in its prefix cache):
 
-* first question: the engine's caches are cleared before each mode, so both
-  prefill the whole document (lc first, then rapid);
-* follow-up questions: the document is in the prefix cache (read once, not
-  timed), then each question is asked in lc and in rapid, in turn, the order
-  alternating from one question to the next; rapid keeps its drafter caches
-  across questions, as a server does.
+* first question: each engine's caches are cleared first, so both prefill the
+  whole document (lc first, then rapid; the first question of a model on a
+  machine also measures its step costs once: rapidspec.drafting.calibration);
+* follow-up questions: each engine has read the document (an untimed lc
+  answer to the first question), then each question is asked in lc and in
+  rapid, in turn, the order alternating from one question to the next; rapid
+  keeps its drafter caches across questions, as a server does.
 
 Times are wall-clock seconds around each call; TTFT is the engine's
 ``time_to_first_token`` plus the time before the generation started (the
@@ -51,40 +54,45 @@ def ask(engine, request, config: DecodeConfig) -> dict:
     return {"mode": config.mode, "ttft": first, "total": total, "new_tokens": stats.new_tokens,
             "joined_at": stats.drafter_joined_at, "drafted": stats.drafted_tokens, "accepted": stats.accepted_tokens,
             "retrieval_s": stats.retrieval_seconds, "drafter_prefill_s": stats.drafter_prefill_seconds,
-            "reused_drafter_tokens": stats.drafter_prefill_reused_tokens, "text": output.text}
+            "reused_drafter_tokens": stats.drafter_prefill_reused_tokens, "text": output.text[:60]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-new-tokens", type=positive_ints, default=[8, 128], help="answer lengths (comma list)")
     parser.add_argument("--ignore-eos", action="store_true", help="answers of exactly --max-new-tokens tokens")
-    parser.add_argument("--questions", type=int, default=8, help="follow-up questions (at most the 8 built-in)")
+    parser.add_argument("--questions", type=int, default=8,
+                        help="built-in questions used (the first opens, the others follow up; at most 8)")
     add_model_options(parser)
     add_retrieval_options(parser)
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:
         with console.status("loading the models"):
-            engine = load_engine(args)
-            engine.retriever.warm_up()
+            engines = {mode: load_engine(args) for mode in ("lc", "rapid")}
+            for engine in engines.values():
+                engine.retriever.warm_up()
         requests = builtin_requests()[: args.questions]
         runs = []
         for length in args.max_new_tokens:
             configs = {mode: DecodeConfig(mode=mode, max_new_tokens=length, ignore_eos=args.ignore_eos)
                        for mode in ("lc", "rapid")}
             for mode in ("lc", "rapid"):  # a first question: everything from scratch
-                engine.clear_document_cache()
+                engines[mode].clear_document_cache()
                 with console.status(f"{length} tokens: first question, {mode}"):
                     runs.append({"length": length, "case": "first", "question": 0,
-                                 **ask(engine, requests[0], configs[mode])})
-            for index, request in enumerate(requests):
+                                 **ask(engines[mode], requests[0], configs[mode])})
+            for engine in engines.values():  # the document read, the first question answered (lc, untimed)
+                ask(engine, requests[0], configs["lc"])
+            for index, request in enumerate(requests[1:], start=1):
                 for mode in (("lc", "rapid") if index % 2 == 0 else ("rapid", "lc")):
-                    with console.status(f"{length} tokens: follow-up {index + 1}/{len(requests)}, {mode}"):
+                    with console.status(f"{length} tokens: follow-up {index}/{len(requests) - 1}, {mode}"):
                         runs.append({"length": length, "case": "follow-up", "question": index,
-                                     **ask(engine, request, configs[mode])})
+                                     **ask(engines[mode], request, configs[mode])})
     except RapidspecError as err:
         print(f"first_token: error: {err}", file=sys.stderr)
         return 2
+    engine = engines["rapid"]
     table = Table(title=f"{engine.target.name}: medians (first question: one run each)")
     for name in ("tokens", "case", "lc TTFT s", "rapid TTFT s", "rapid - lc TTFT ms", "lc total s", "rapid total s",
                  "lc / rapid total", "rapid joined (of answers)"):

@@ -328,7 +328,7 @@ class Rapid:
         while True:
             remaining = config.max_new_tokens - (len(seq) - prompt_length)
             if len(seq) > prompt_length:  # the drafter's preparation: one bounded piece between two rounds
-                run.prepare_drafter(prompt_length, remaining, new_schedule)
+                run.prepare_drafter(prompt_length, new_schedule)
             drafter = run.drafter
             # 2 draft
             t0 = time.perf_counter()

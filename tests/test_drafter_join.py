@@ -26,6 +26,7 @@ from rapidspec.drafting.join import (
     MIN_PIECE_TOKENS,
     AcceptanceMemory,
     drafting_seconds_per_token,
+    expected_remaining,
     piece_tokens,
     worth_preparing,
 )
@@ -51,6 +52,11 @@ def test_worth_preparing_by_hand():
     assert not worth_preparing(0.0, 0.05, 0.06, 100)  # drafting is no cheaper than a plain step
     assert not worth_preparing(0.0, 0.05, 0.01, 1)  # one token left: nothing to draft
     assert worth_preparing(0.0, 0.05, 0.01, 2)  # nothing left to prepare
+
+
+def test_expected_remaining_by_hand():
+    assert [expected_remaining(256, n, False) for n in (1, 10, 100, 240)] == [32, 32, 100, 16]
+    assert expected_remaining(256, 10, True) == 246  # a fixed length: all it may add
 
 
 def test_piece_tokens_is_about_one_plain_step():

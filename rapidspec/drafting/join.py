@@ -57,10 +57,15 @@ MIN_PIECE_TOKENS = 16
 #: Finished answers' acceptance counts decay by this per answer, drafted or not (about the last 10 answers weigh;
 #: after answers without the drafter the prior comes back, so a drafter judged poor is tried again).
 MEMORY_DECAY = 0.9
-#: What the start decision expects before an engine has answered: each draft accepted with this probability once
-#: the ones before it were (a round of 6 keeps 2.1 on average). Self-speculation kept 42-100% of its drafts in the
-#: measured runs (docs/speed.md); with 0.5 a 128-token answer never paid for the built-in drafter's prefill.
-MEMORY_PRIOR = 0.7
+#: What the start decision expects of a draft before the engine's answers say otherwise: kept. Optimism while the
+#: evidence is thin tries the drafter on the first answer long enough to pay for a good one, and the answer's
+#: counts then decide (one prior observation against each answer's tens of drafts). A pessimistic prior never
+#: learns: with 0.7 the Qwen2.5-Coder 0.5B self-drafter, which keeps most of its drafts on the demo document's
+#: questions, was never prefilled for a 128-token answer on 2 cores.
+MEMORY_PRIOR = 1.0
+#: Without ignore_eos an answer may end at any token: the decision expects at most max(tokens so far, this) more
+#: (an answer that ran long is likely to run on), never more than max_new_tokens allows.
+LENGTH_HORIZON = 32
 
 
 def drafting_seconds_per_token(costs: StepCosts, acceptance: Sequence[float], max_gamma: int,
@@ -88,6 +93,13 @@ def worth_preparing(prepare_seconds: float, plain_step: float, drafting_step: fl
         return False
     rounds = math.ceil(prepare_seconds / plain_step) if plain_step > 0 else 0
     return (remaining_tokens - rounds) * saving > prepare_seconds
+
+
+def expected_remaining(max_new_tokens: int, emitted: int, ignore_eos: bool) -> int:
+    """Tokens the answer is expected to add: all it may with ``ignore_eos``, else at most
+    max(``emitted``, :data:`LENGTH_HORIZON`). Example: 256 allowed, 10 so far: 32; 100 so far: 100; 240: 16."""
+    left = max_new_tokens - emitted
+    return left if ignore_eos else min(left, max(emitted, LENGTH_HORIZON))
 
 
 def piece_tokens(plain_step: float, prefill_per_token: float) -> int:
@@ -155,12 +167,13 @@ class DrafterJoin:
             self._step_costs(target_cache, target_seq)
         return drafter
 
-    def between_rounds(self, target_cache, target_seq: list[int], answer: list[int], remaining: int):
+    def between_rounds(self, target_cache, target_seq: list[int], answer: list[int]):
         """One bounded piece of preparation after a round; the drafter once it joins (it has taken ``answer``), else None.
 
         A request-level error of the preparation (retrieval refusing the request's budget, say) ends it: the answer
         goes on without the drafter (the target's tokens, as lc's) and ``stats.drafter_error`` says why.
         """
+        remaining = expected_remaining(self.config.max_new_tokens, len(answer), self.config.ignore_eos)
         if self.done or remaining <= 1:
             return None
         try:

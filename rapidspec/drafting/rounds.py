@@ -51,14 +51,14 @@ class Rounds:
     prepare_seconds: float = 0.0  # time between rounds spent preparing the drafter (retrieval, prefill, calibration)
     logprobs: list = field(default_factory=list)
 
-    def prepare_drafter(self, prompt_length: int, remaining: int, new_schedule) -> None:
+    def prepare_drafter(self, prompt_length: int, new_schedule) -> None:
         """One bounded piece of the drafter's preparation after a round (:meth:`~.join.DrafterJoin.between_rounds`);
         on its join the drafter and a schedule over the calibrated costs take part in the next rounds. Its time
         counts as retrieval or drafter prefill, not decoding."""
         if self.drafter is not None or self.join is None or self.join.done:
             return
         started, retrieval_before = time.perf_counter(), self.stats.retrieval_seconds
-        drafter = self.join.between_rounds(self.target_cache, self.target_seq, self.target_seq[prompt_length:], remaining)
+        drafter = self.join.between_rounds(self.target_cache, self.target_seq, self.target_seq[prompt_length:])
         if drafter is not None:
             self._joined(drafter, len(self.target_seq) - prompt_length, new_schedule)
         seconds = time.perf_counter() - started
