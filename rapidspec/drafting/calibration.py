@@ -26,13 +26,11 @@ torch threads), so a server's first requests measure what one request costs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +42,7 @@ import torch
 from rapidspec.drafting.gamma_schedule import StepCosts
 from rapidspec.runtime.attention import machine_key
 from rapidspec.runtime.batching import current_batcher, unbatched
-from rapidspec.runtime.cache_dir import cache_root
+from rapidspec.runtime.cache_dir import cache_root, write_json
 from rapidspec.runtime.threads import compute_threads
 
 logger = logging.getLogger(__name__)
@@ -208,16 +206,7 @@ class CostBook:
         try:
             content = _read(path)
             content.setdefault(machine_key(), {})[key] = entry
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(handle, "w", encoding="utf-8") as out:
-                    json.dump({"format": COSTS_FORMAT, "machines": content}, out, indent=1, sort_keys=True)
-                os.replace(temporary, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary)
-                raise
+            write_json(path, {"format": COSTS_FORMAT, "machines": content})
         except OSError as err:
             if not self._warned:
                 logger.warning("cannot keep measured step costs in %s (%s): they are measured again by each process",

@@ -75,7 +75,6 @@ import logging
 import math
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
@@ -84,7 +83,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from torch.nn.attention.bias import causal_lower_right
 from transformers.masking_utils import sdpa_mask
 
-from rapidspec.runtime.cache_dir import cache_root
+from rapidspec.runtime.cache_dir import cache_root, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -217,16 +216,7 @@ def _keep_choice(path: Path, machine: str, shape: str, measured: str) -> str:
     if kept is not None:
         return kept
     machines.setdefault(machine, {})[shape] = measured
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump({"format": CHOICES_FORMAT, "machines": machines}, out, indent=1, sort_keys=True)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+    write_json(path, {"format": CHOICES_FORMAT, "machines": machines})
     return measured
 
 

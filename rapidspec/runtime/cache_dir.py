@@ -9,7 +9,10 @@ this function.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -25,3 +28,18 @@ def cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "rapidspec"
+
+
+def write_json(path: Path, content: object) -> None:
+    """Write ``content`` as JSON to ``path`` atomically (a temporary file beside it, then a rename), making its
+    folder; ``OSError`` when it cannot be written (nothing partial is left)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(content, out, indent=1, sort_keys=True)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
