@@ -141,6 +141,21 @@ def _sse(*events) -> bytes:
     return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
 
 
+def test_vllms_speculative_metrics_are_read_from_the_last_chunks():
+    """Any server sending vLLM's metrics.speculative_decoding (rapidspec serve does) is summarised alike."""
+    metrics = {"speculative_decoding": {"num_drafts": 3, "num_draft_tokens": 12, "num_accepted_draft_tokens": 9}}
+    chunk = {"choices": [{"delta": {"content": "hi"}, "finish_reason": None}]}
+    last = {"choices": [{"delta": {}, "finish_reason": "length"}], "metrics": metrics}
+    result = _answer(lambda request: httpx.Response(200, content=_sse(chunk, last, "[DONE]")))
+    assert result.outcome == "completed" and result.speculative == metrics["speculative_decoding"]
+    plain = _answer(lambda request: httpx.Response(200, content=_sse(chunk, last | {"metrics": None}, "[DONE]")))
+    assert plain.speculative is None  # a server without it: nothing
+    s = summarize([result, result, plain], 1.0)
+    assert (s["spec_requests"], s["spec_num_drafts"], s["spec_num_draft_tokens"]) == (2, 6, 24)
+    assert s["spec_draft_acceptance_rate"] == 0.75 and s["spec_mean_acceptance_length"] == 4.0
+    assert "spec_requests" not in summarize([plain], 1.0)
+
+
 def test_answers_are_classified():
     delta = lambda text, finish=None: {"choices": [{"delta": {"content": text}, "finish_reason": finish}]}  # noqa: E731
     usage = {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 9}}

@@ -202,6 +202,7 @@ def engine(model, drafter=None) -> Rapid:
     return Rapid(model, drafter, retrieval=RETRIEVAL)
 
 
+@pytest.mark.usefixtures("drafter_from_the_first_round")  # the drafter in every round, so it drafts here
 @pytest.mark.parametrize("mode", ["ragsd", "rapid"])
 def test_chat_greedy_eta_zero_equals_lc(tiny_model, other_tiny_model, mode):
     """Invariant 1 through the chat path, for a history and for documents."""

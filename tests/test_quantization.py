@@ -111,7 +111,7 @@ def test_low_bit_self_drafter_keeps_greedy_output_equal_to_lc(wide_tiny_model, m
         if method == "int4":
             assert any(isinstance(m, Int4Linear) for m in drafter.model.modules())
         out = engine(wide_tiny_model, drafter).generate(
-            DOCUMENT, QUESTION, mode="ragsd", eta=0.0, gamma=4, max_new_tokens=40
+            DOCUMENT, QUESTION, mode="ragsd", eta=0.0, gamma=4, max_new_tokens=40, drafter_start="first"
         )
         assert out.token_ids == lc.token_ids
         assert out.stats.rounds > 0

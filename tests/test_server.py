@@ -51,7 +51,8 @@ def test_models_and_health(client, server, engine):
 
 def test_chat_completion_usage_and_statistics(client):
     out = client.chat.completions.create(
-        model="tiny", messages=HISTORY, max_tokens=12, extra_body={"ignore_eos": True, "mode": "rapid", "gamma": 3}
+        model="tiny", messages=HISTORY, max_tokens=12,
+        extra_body={"ignore_eos": True, "mode": "rapid", "gamma": 3, "drafter_start": "first"},
     )
     choice = out.choices[0]
     assert choice.finish_reason == "length" and choice.message.role == "assistant"
@@ -63,6 +64,10 @@ def test_chat_completion_usage_and_statistics(client):
     assert stats["eta"] == DEFAULT_ETA["larger"] and stats["eta_source"] == "default for a drafter at least as large as the target"
     assert out.model_extra["rapidspec"]["retrieval"]["num_chunks"] > 0
     assert out.model_extra["rapidspec"]["retrieved_turns"]
+    assert stats["drafter_joined_at"] == 0 and stats["time_to_first_token"] > 0
+    spec = out.model_extra["metrics"]["speculative_decoding"]  # vLLM's per-request schema
+    assert spec["num_draft_tokens"] == stats["drafted_tokens"] and spec["num_accepted_draft_tokens"] == stats["accepted_tokens"]
+    assert sum(spec["acceptance_histogram"]) == spec["num_drafts"] == stats["rounds"] - stats["plain_rounds"]
 
 
 def test_greedy_eta_zero_through_the_server_equals_lc(client, engine):
@@ -88,6 +93,9 @@ def test_streaming_matches_non_streaming_and_reports_usage(client):
     assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
     assert finish[0].model_extra["rapidspec"]["stats"]["new_tokens"] == 10
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    for chunk in (finish[0], chunks[-1]):  # vLLM's per-request metrics beside usage and the statistics
+        assert chunk.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] == \
+            finish[0].model_extra["rapidspec"]["stats"]["drafted_tokens"]
     no_usage = list(client.chat.completions.create(**body, stream=True))
     assert all(c.usage is None for c in no_usage)
 
@@ -253,7 +261,7 @@ def test_metrics_move(client, server):
     before = metric(server, "rapidspec:request_success_total", finished_reason="length")
     generated = metric(server, "rapidspec:generation_tokens_total")
     client.chat.completions.create(model="tiny", messages=HISTORY, max_tokens=6,
-                                   extra_body={"ignore_eos": True, "mode": "rapid"})
+                                   extra_body={"ignore_eos": True, "mode": "rapid", "drafter_start": "first"})
     assert metric(server, "rapidspec:request_success_total", finished_reason="length") == before + 1
     assert metric(server, "rapidspec:generation_tokens_total") == generated + 6
     assert metric(server, "rapidspec:spec_decode_num_draft_tokens_total") > 0
