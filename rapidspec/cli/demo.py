@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
               width=60),
     ]))
     out.print(stats_table([("lc", lc), ("rapid", rapid)]))
-    out.print(f"[dim]drafter: {rapid.drafter}; rapid's target prefill came from lc's (prefix cache), so both "
+    out.print(f"[dim]drafter: {rapid.drafter or engine.drafter_label}; rapid's target prefill came from lc's (prefix cache), so both "
               f"count lc's {lc.target_prefill_seconds:.2f} s[/dim]")
     out.print(
         f"[bold]Speedup of rapid over lc[/bold] (same process, same input): "

@@ -224,7 +224,9 @@ function showStats(view, run) {
   line.innerHTML = `acceptance <b>${fmt(s.acceptance_rate)}</b> · mean accepted length <b>${fmt(s.mean_accepted_length)}</b>` +
     ` · decode <b>${fmt(s.decode_tokens_per_second, 1)}</b> tok/s · first token <b>${fmt(run.ttftMs, 0)}</b> ms` +
     ` · prefill reused <b>${s.target_prefill_reused_tokens ?? 0}</b> of ${s.prompt_tokens_target ?? "?"} tokens` +
-    ` · ${s.new_tokens ?? 0} tokens in ${fmt(run.totalMs / 1000, 1)} s`;
+    ` · ${s.new_tokens ?? 0} tokens in ${fmt(run.totalMs / 1000, 1)} s` +
+    (s.mode === "lc" || s.mode === "rag" || !s.mode ? "" : s.drafter_joined_at === null || s.drafter_joined_at === undefined
+      ? " · drafter <b>not joined</b>" : ` · drafter joined after <b>${s.drafter_joined_at}</b> tokens`);
   view.stats.append(line);
   if (!run.rounds.length) return;
   const most = Math.max(...run.rounds.map((r) => r.draft_ms + r.verify_ms), 1);
