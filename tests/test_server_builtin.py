@@ -28,7 +28,8 @@ def test_two_turn_chat_reuses_the_history_and_keeps_greedy_equality():
     with running_server(engine, model_name="builtin") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
         first = client.chat.completions.create(model="builtin", messages=first_turn, max_tokens=24,
-                                               extra_body={"mode": "rapid", "eta": 0, "truncate": "middle"})
+                                               extra_body={"mode": "rapid", "eta": 0, "truncate": "middle",
+                                                           "drafter_start": "first"})  # drafts from the first round
         assert first.choices[0].message.content == lc.text  # greedy, fp32, eta = 0: lc's answer
         stats = first.model_extra["rapidspec"]["stats"]
         assert stats["drafted_tokens"] > 0 and first.model_extra["rapidspec"]["retrieved_turns"]

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from rapidspec.drafting.calibration import TargetCosts
+from rapidspec.drafting.factory import drop_started
 from rapidspec.errors import RapidspecError
 from rapidspec.drafting.gamma_schedule import (
     ACCEPTANCE_PRIOR_STRENGTH,
@@ -187,13 +188,11 @@ class DrafterJoin:
     def _between_rounds(self, target_cache, target_seq: list[int], answer: list[int], remaining: int):
         if self.beside is not None:  # joins at the first boundary, whatever it cost (spare cores)
             return self._join(self._started(), answer)
-        target = self.costs.target(self.config, target_cache, target_seq)
+        target = self._step_costs(target_cache, target_seq)
         if self.factory.drafter_kind(self.config) == "lookup":  # no model, no prefill: drafts from the next round
-            self.step_costs = StepCosts(0.0, target.base, target.per_token)
             self._resolve()
             return self._join(self._started(), answer)
         drafter = self.costs.drafter(self.config)
-        self.step_costs = StepCosts(drafter.step, target.base, target.per_token)
         piece = piece_tokens(target.verify(1), drafter.prefill_per_token)
         if self._pending is None:
             deferred = self.prompts.deferred
@@ -229,8 +228,6 @@ class DrafterJoin:
             self._pending.close()
             self._pending = None
         if self.beside is not None and not self.done:
-            from rapidspec.drafting.factory import drop_started
-
             drop_started(self.beside)
         self.done = True
 
