@@ -86,7 +86,12 @@ class DrafterPool:
         """Tokens of ``prompt_ids[:-1]`` that :meth:`begin` would reuse from the caches ``kept`` (:meth:`kept_tokens`)."""
         wanted = list(prompt_ids[:-1])
         best = max((common_prefix_length(tokens, wanted) for tokens in kept), default=0)
-        return best if best >= min(self.reuse_min_tokens, len(wanted) / 2) else 0
+        return best if self._worth_reusing(best, wanted) else 0
+
+    def _worth_reusing(self, shared: int, wanted: list[int]) -> bool:
+        """Whether a kept cache sharing ``shared`` tokens is taken for ``wanted``: :attr:`reuse_min_tokens` of
+        them, or half of a shorter prompt."""
+        return shared >= min(self.reuse_min_tokens, len(wanted) / 2)
 
     def new_cache(self, tokens: int):
         """A fresh cache with room for ``tokens`` (never kept: measuring costs)."""
@@ -106,7 +111,7 @@ class DrafterPool:
                 return None
             shared = [common_prefix_length(self._idle[i][0].token_ids, wanted) for i in fitting]
             best = fitting[shared.index(max(shared))]  # ties: the oldest
-            if max(shared) >= min(self.reuse_min_tokens, len(wanted) / 2):
+            if self._worth_reusing(max(shared), wanted):
                 return self._idle.pop(best)[0]
             return self._idle.pop(fitting[0])[0] if len(self._idle) >= self.kept_caches else None
 

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from rapidspec.drafting.calibration import TargetCosts
+from rapidspec.drafting.calibration import DrafterCosts, TargetCosts
 from rapidspec.drafting.factory import drop_started
 from rapidspec.errors import RapidspecError
 from rapidspec.drafting.gamma_schedule import (
@@ -188,11 +188,10 @@ class DrafterJoin:
     def _between_rounds(self, target_cache, target_seq: list[int], answer: list[int], remaining: int):
         if self.beside is not None:  # joins at the first boundary, whatever it cost (spare cores)
             return self._join(self._started(), answer)
-        target = self._step_costs(target_cache, target_seq)
-        if self.factory.drafter_kind(self.config) == "lookup":  # no model, no prefill: drafts from the next round
+        target, drafter = self._step_costs(target_cache, target_seq)
+        if drafter is None:  # lookup: no model, no prefill: drafts from the next round
             self._resolve()
             return self._join(self._started(), answer)
-        drafter = self.costs.drafter(self.config)
         piece = piece_tokens(target.verify(1), drafter.prefill_per_token)
         if self._pending is None:
             deferred = self.prompts.deferred
@@ -243,14 +242,13 @@ class DrafterJoin:
             return 0.0
         return deferred.embed_tokens * self.costs.embedding()
 
-    def _step_costs(self, target_cache, target_seq: list[int]) -> TargetCosts:
-        """The calibrated costs the schedule plans with (:attr:`step_costs`; a lookup drafter costs nothing); the
-        target's returned."""
+    def _step_costs(self, target_cache, target_seq: list[int]) -> tuple[TargetCosts, DrafterCosts | None]:
+        """The calibrated costs the schedule plans with (:attr:`step_costs`); the target's and the drafter's
+        returned (None for a lookup drafter, which costs nothing)."""
         target = self.costs.target(self.config, target_cache, target_seq)
-        lookup = self.factory.drafter_kind(self.config) == "lookup"
-        draft_step = 0.0 if lookup else self.costs.drafter(self.config).step
-        self.step_costs = StepCosts(draft_step, target.base, target.per_token)
-        return target
+        drafter = None if self.factory.drafter_kind(self.config) == "lookup" else self.costs.drafter(self.config)
+        self.step_costs = StepCosts(0.0 if drafter is None else drafter.step, target.base, target.per_token)
+        return target, drafter
 
     def _planned_tokens(self) -> int:
         """Tokens the drafter's prefill feeds by the plan: its prompt less what the kept caches held when the
