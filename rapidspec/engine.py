@@ -238,7 +238,9 @@ class Rapid:
             generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
 
         deadline = None if config.time_limit_s is None else time.monotonic() + config.time_limit_s
-        grammar = None if config.grammar is None else self.grammar_tokens.start(config.grammar)  # before any work
+        grammar = (None if config.grammar is None  # before any work; ignore_eos: the answer ends where the grammar does
+                   else self.grammar_tokens.start(config.grammar, eos_only_at_end=config.ignore_eos))
+        stop_tokens = frozenset() if config.ignore_eos and grammar is None else self.eos_token_ids
 
         def out_of_time() -> bool:
             return deadline is not None and time.monotonic() > deadline
@@ -268,7 +270,7 @@ class Rapid:
             # (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
             run = Rounds(generation_started, config, sampling.SamplingParams.of(config), stats, generator, target_cache,
-                         target_seq, None, None, frozenset() if config.ignore_eos else self.eos_token_ids, profile,
+                         target_seq, None, None, stop_tokens, profile,
                          self.vocab_size, out_of_time, grammar, join=join, fixed_schedule=schedule)
             try:
                 if config.drafter_start == "first":

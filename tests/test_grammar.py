@@ -86,6 +86,16 @@ def test_a_complete_answer_finishes_the_grammar(grammar_tokens, byte_tokenizer):
     assert state.mask_after([]).nonzero().flatten().tolist() == [byte_tokenizer.eos_token_id]
 
 
+def test_ignore_eos_keeps_the_end_of_answer_for_where_the_grammar_must_end(grammar_tokens, byte_tokenizer):
+    eos = byte_tokenizer.eos_token_id
+    for eos_only_at_end, may_end in [(False, True), (True, False)]:
+        state = grammar_tokens.start(Grammar.regex("ab?"), eos_only_at_end=eos_only_at_end)
+        state.commit(byte_tokenizer.encode("a"))  # complete, and "b" may follow
+        assert bool(state.mask_after([])[eos]) == may_end
+        state.commit(byte_tokenizer.encode("b"))  # nothing may follow: the end of answer is the one token left
+        assert state.finished and state.mask_after([]).nonzero().flatten().tolist() == [eos]
+
+
 @pytest.fixture(scope="module")
 def lc_record(tiny_model):
     return engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=100, grammar=RESPONSE_FORMAT)
@@ -125,3 +135,16 @@ def test_rapid_sampling_and_eta_keep_the_grammar(tiny_model, other_tiny_model, t
 def test_a_grammar_cut_by_max_tokens_says_length(tiny_model):
     out = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=5, grammar=RESPONSE_FORMAT)
     assert out.stats.stop_reason == "length" and out.text.startswith('{"')
+
+
+@pytest.mark.parametrize("mode", ["lc", "sd", "ragsd", "rapid", "magicdec", "lookup", "rag"])
+@pytest.mark.parametrize("drafter_kind", ["self", "random"])
+def test_ignore_eos_under_a_grammar_ends_where_the_grammar_ends(tiny_model, other_tiny_model, mode, drafter_kind):
+    """With ignore_eos a constrained answer goes on past an end of answer the grammar does not force, and ends
+    (stop) where the grammar allows nothing else: drafts past that end are never emitted."""
+    drafter = None if drafter_kind == "self" else other_tiny_model
+    out = engine(tiny_model, drafter).generate(DOCUMENT, QUESTION, mode=mode, gamma=8, max_new_tokens=100,
+                                               gamma_schedule="constant", ignore_eos=True, grammar=RESPONSE_FORMAT,
+                                               drafter_start="first")
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert out.stats.stop_reason in ("stop", "eos")  # the grammar's end, never the length

@@ -54,15 +54,18 @@ class GrammarTokens:
                     raise RapidspecError(f"structured output needs a fast tokenizer: {exc}") from None
             return self._lltokenizer
 
-    def start(self, grammar: Grammar) -> "GrammarState":
-        """A fresh state at the start of ``grammar`` (RapidspecError when it cannot be built for this vocabulary)."""
+    def start(self, grammar: Grammar, eos_only_at_end: bool = False) -> "GrammarState":
+        """A fresh state at the start of ``grammar`` (RapidspecError when it cannot be built for this vocabulary).
+
+        ``eos_only_at_end`` (a request's ``ignore_eos``): an end of answer is allowed only where the grammar allows
+        nothing else, so the answer goes on wherever the grammar may and still ends where it must."""
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._ll(), grammar.llguidance, log_level=0)
         if matcher.is_error():
             raise RapidspecError(f"the {grammar.kind.replace('_', ' ')} cannot be used: {matcher.get_error()}",
                                  code="invalid_grammar")
-        return GrammarState(matcher, self.vocab_size, self.eos_ids)
+        return GrammarState(matcher, self.vocab_size, self.eos_ids, eos_only_at_end)
 
 
 class GrammarState:
@@ -71,13 +74,15 @@ class GrammarState:
     ``matcher``: an llguidance ``LLMatcher`` at the committed answer;
     ``vocab_size``: mask width; ``eos_ids``: end-of-answer tokens (a path
     through one of them ends: the position after it allows everything, it is
-    never emitted).
+    never emitted); ``eos_only_at_end``: see :meth:`GrammarTokens.start`.
     """
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]) -> None:
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], eos_only_at_end: bool = False) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.eos_only_at_end = eos_only_at_end
+        self._eos = sorted(t for t in eos_ids if 0 <= t < vocab_size)
         self._path: list[int] = []  # tokens the matcher consumed past the committed answer
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
         self._everything = torch.ones(vocab_size, dtype=torch.bool)
@@ -99,9 +104,10 @@ class GrammarState:
         self._move_to(key)
         self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)  # 1 bit per token
         mask = ((self._bits[:, None] >> _SHIFTS) & 1).view(-1)[: self.vocab_size].bool()  # [W, 32] -> [V]
+        if self.eos_only_at_end and not self.matcher.is_stopped():
+            mask[self._eos] = False
         if not bool(mask.any()):  # an error state: let the answer end rather than sample from nothing
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[sorted(t for t in self.eos_ids if t < self.vocab_size)] = True
+            mask[self._eos] = True
         self._masks[key] = mask
         return mask
 
