@@ -122,7 +122,7 @@ def test_an_unwritable_file_gives_the_deterministic_default(monkeypatch, choices
         for _ in range(2):  # the same in a fresh process: nothing kept, nothing timed taken
             attention.fastest_short_query_path.cache_clear()
             assert short_query_path(torch.empty(1, 6, 1, 32), 2, 5000) == default
-    assert "cannot keep a path" in caplog.text
+    assert caplog.text.count("cannot store the measured attention paths") == 1  # once per folder and cause
     assert [p.name for p in tmp_path.iterdir()] == ["a file"]
 
 

@@ -9,9 +9,11 @@ fetches that sdist of the installed version from the package index with pip
 with CMake for this CPU (``GGML_NATIVE``) and builds the one target
 ``llama-server`` (about 4.5 minutes on 2 cores). The binary is cached under
 ``$RAPIDSPEC_CACHE/llama-server/<version>-<cpu>`` (the CPU's flags: a native
-build may not run on another CPU). ``$RAPIDSPEC_LLAMA_SERVER`` names a binary
-of your own instead. ``python -m rapidspec.bench.llama_server`` builds it
-(the set-up runs it on CPU machines).
+build may not run on another CPU); a cache folder that cannot keep it
+(read-only, full) is a one-line error, before the build where it can be
+told. ``$RAPIDSPEC_LLAMA_SERVER`` names a binary of your own instead.
+``python -m rapidspec.bench.llama_server`` builds it (the set-up runs it on
+CPU machines).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rapidspec.errors import RapidspecError
-from rapidspec.runtime.cache_dir import cache_root
+from rapidspec.runtime.cache_dir import cache_root, cache_write, folder_fault
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,9 @@ def build_llama_server(progress: Callable[[str], None] = logger.info, jobs: int 
         return target
     if shutil.which("cmake") is None:
         raise RapidspecError("building llama-server needs cmake on PATH (Debian: apt install cmake)")
+    fault = folder_fault(target.parent)  # checked before the build: the binary must be kept somewhere
+    if fault is not None:
+        raise _cannot_keep(target, fault.strerror or str(fault))
     jobs = jobs or os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="rapidspec-llama-server-") as work:
         work_dir = Path(work)
@@ -112,12 +117,18 @@ def build_llama_server(progress: Callable[[str], None] = logger.info, jobs: int 
         built = next((p for p in build.rglob("llama-server") if p.is_file() and os.access(p, os.X_OK)), None)
         if built is None:
             raise RapidspecError(f"the build finished without a llama-server binary (in {build})")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.{os.getpid()}")
-        shutil.copy2(built, partial)
-        os.replace(partial, target)  # atomic: another process sees no binary or the whole one
+        # a temporary renamed into place: another process sees no binary or the whole one
+        if not cache_write(target, lambda partial: shutil.copy2(built, partial), "the llama-server build",
+                           "it is not kept"):
+            raise _cannot_keep(target, "see the warning above")
     progress(f"llama-server: built {target}")
     return target
+
+
+def _cannot_keep(target: Path, reason: str) -> RapidspecError:
+    """The one-line error of a build the cache folder cannot keep (read-only, full)."""
+    return RapidspecError(f"cannot keep a llama-server build in {target.parent} ({reason}): set $RAPIDSPEC_CACHE "
+                          f"to a writable folder with some room, or ${ENV_BINARY} to a llama-server binary")
 
 
 def llama_server_binary(build: bool = True, progress: Callable[[str], None] = logger.info) -> Path:

@@ -209,9 +209,11 @@ class LlamaCppDrafters(DrafterPool):
         description, kind = self.model.description, copy_type(self.model.description)
         if gguf == "auto" and kind is not None:
             try:
-                self.model = LlamaCppModel(fast_prefill_copy(gguf_path, kind, threads), threads=threads)
-                description = f"{self.model.description}, from {weight_type(description)}"
-            except (ValueError, OSError) as exc:  # e.g. a cache directory that cannot be written
+                copy = fast_prefill_copy(gguf_path, kind, threads)  # None: the cache cannot take it (logged once)
+                if copy is not None:
+                    self.model = LlamaCppModel(copy, threads=threads)
+                    description = f"{self.model.description}, from {weight_type(description)}"
+            except (ValueError, OSError) as exc:
                 logger.warning("reading %s as it is: no %s copy for fast prefill (%s)", gguf_path, kind, exc)
         check_llama_vocabulary(target_tokenizer, self.model)
         self.label = f"{name} (llama.cpp, {description})"

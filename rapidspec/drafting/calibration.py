@@ -42,7 +42,7 @@ import torch
 from rapidspec.drafting.gamma_schedule import StepCosts
 from rapidspec.runtime.attention import machine_key
 from rapidspec.runtime.batching import current_batcher, unbatched
-from rapidspec.runtime.cache_dir import cache_root, write_json
+from rapidspec.runtime.cache_dir import cache_root, keep_json
 from rapidspec.runtime.threads import compute_threads
 
 logger = logging.getLogger(__name__)
@@ -172,14 +172,14 @@ class CostBook:
 
     ``get(kind, key, measure)`` returns the kept entry or measures it (``measure()`` returns a
     :class:`TargetCosts`, :class:`DrafterCosts` or a float) and keeps it. Thread-safe: a key is measured once.
-    A file that cannot be written keeps the numbers for this process (with a warning).
+    A file that cannot be written (a read-only or full folder) keeps the numbers for this process, with one
+    warning per folder and cause (:func:`~rapidspec.runtime.cache_dir.cache_write`); entries already in it are read.
     """
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self._memory: dict[str, dict] = {}
         self._lock = threading.Lock()
-        self._warned = False
 
     def file(self) -> Path:
         if self.path is not None:
@@ -203,15 +203,10 @@ class CostBook:
 
     def _write(self, key: str, entry: dict) -> None:
         path = self.file()
-        try:
-            content = _read(path)
-            content.setdefault(machine_key(), {})[key] = entry
-            write_json(path, {"format": COSTS_FORMAT, "machines": content})
-        except OSError as err:
-            if not self._warned:
-                logger.warning("cannot keep measured step costs in %s (%s): they are measured again by each process",
-                               path, err)
-                self._warned = True
+        content = _read(path)
+        content.setdefault(machine_key(), {})[key] = entry
+        keep_json(path, {"format": COSTS_FORMAT, "machines": content}, f"the measured step costs ({path.name})",
+                  "they are kept in memory and measured again by each process")
 
 
 def _read(path: Path) -> dict[str, dict[str, dict]]:

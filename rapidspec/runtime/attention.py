@@ -55,10 +55,12 @@ differently). The rule (:func:`short_query_path`):
    few milliseconds) and the fastest is written to the file (temporary file
    renamed into place; if another process wrote this class meanwhile, its
    path wins), then taken by this and every later process.
-4. If the file cannot be written, :func:`default_short_query_path` (from the
-   CPU capability and the key count) is taken instead of the measurement, so
-   that no process takes a path the next one could not reproduce. A corrupt
-   file counts as empty and is rewritten. Both are logged at debug level.
+4. If the file cannot be written (a read-only or full cache folder: one
+   warning per folder and cause, :func:`~rapidspec.runtime.cache_dir.cache_write`),
+   :func:`default_short_query_path` (from the CPU capability and the key count)
+   is taken instead of the measurement, so that no process takes a path the
+   next one could not reproduce; paths already in the file are still taken. A
+   corrupt file counts as empty and is rewritten (logged at debug level).
 
 Each process reads the file once per shape class (:func:`fastest_short_query_path`
 is memoised). Two processes measuring one class at the same moment may each
@@ -83,7 +85,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from torch.nn.attention.bias import causal_lower_right
 from transformers.masking_utils import sdpa_mask
 
-from rapidspec.runtime.cache_dir import cache_root, write_json
+from rapidspec.runtime.cache_dir import cache_root, keep_json
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +150,7 @@ def fastest_short_query_path(
     if kept is not None:
         return kept
     measured = measure_short_query_path(dtype, heads, kv_heads, q_len, kv_len, head_dim)
-    try:
-        return _keep_choice(path, machine, shape, measured)
-    except OSError as err:
-        default = default_short_query_path(kv_len)
-        logger.debug("attention %s: cannot keep a path in %s (%s); taking the default %s", shape, path, err, default)
-        return default
+    return _keep_choice(path, machine, shape, measured) or default_short_query_path(kv_len)
 
 
 def default_short_query_path(kv_len: int) -> str:
@@ -205,19 +202,21 @@ def _read_choices(path: Path) -> dict[str, dict[str, str]]:
     }
 
 
-def _keep_choice(path: Path, machine: str, shape: str, measured: str) -> str:
+def _keep_choice(path: Path, machine: str, shape: str, measured: str) -> str | None:
     """Write ``measured`` for (machine, shape) into the choices file, atomically; returns the path now kept.
 
     The file is read again first: a path another process kept meanwhile wins
-    (and nothing is written). Raises ``OSError`` when the file cannot be written.
+    (and nothing is written). None when the file cannot be written (logged
+    once per folder and cause).
     """
     machines = _read_choices(path)
     kept = machines.get(machine, {}).get(shape)
     if kept is not None:
         return kept
     machines.setdefault(machine, {})[shape] = measured
-    write_json(path, {"format": CHOICES_FORMAT, "machines": machines})
-    return measured
+    content = {"format": CHOICES_FORMAT, "machines": machines}
+    without = "short CPU queries take the default path of each shape class not kept there"
+    return measured if keep_json(path, content, "the measured attention paths", without) else None
 
 
 def measure_short_query_path(

@@ -14,17 +14,22 @@ The copy is written by ``llama_model_quantize`` (requantizing allowed) into
 ``gguf-copies/`` in the rapidspec cache directory, named by the source's name, size
 and modification time, and made once (a fraction of a second for the
 built-in model's 98 MB); later loads find it there. Where it cannot be
-written, the drafter pool reads the file as it is and logs a warning.
+written (a read-only or full cache folder) nothing partial is left, one
+warning per folder and cause says so
+(:func:`~rapidspec.runtime.cache_dir.cache_write`), and the drafter pool
+reads the file as it is.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
+import shutil
 from pathlib import Path
 
-from rapidspec.runtime.cache_dir import cache_root
+from rapidspec.runtime.cache_dir import cache_root, cache_write
 
 logger = logging.getLogger(__name__)
 
@@ -50,25 +55,36 @@ def copy_path(source: Path, kind: str) -> Path:
     return cache_root() / "gguf-copies" / f"{source.stem}.{stat.st_size}-{stat.st_mtime_ns}.{kind}.gguf"
 
 
-def fast_prefill_copy(source: Path, kind: str, threads: int) -> Path:
-    """The ``kind`` copy of ``source``, written now unless the cache holds it already."""
-    import llama_cpp as ll
-
+def fast_prefill_copy(source: Path, kind: str, threads: int) -> Path | None:
+    """The ``kind`` copy of ``source``, written now unless the cache holds it already; None where the cache
+    folder cannot take it (logged once per folder and cause). ``ValueError`` when llama.cpp cannot copy it."""
     target = copy_path(source, kind)
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     logger.info("writing a %s copy of %s for fast llama.cpp prefill: %s", kind, source.name, target)
+    without = f"no {kind} copy for fast prefill, the drafter reads the file as it is"
+    written = cache_write(target, lambda partial: _quantize(source, partial, kind, threads),
+                          f"a {kind} copy of {source.name}", without)
+    return target if written else None
+
+
+def _quantize(source: Path, partial: Path, kind: str, threads: int) -> None:
+    """Write the ``kind`` copy of ``source`` to ``partial`` with llama.cpp's quantizer.
+
+    llama.cpp reports a failed write only by a status, so a folder that cannot
+    take a file fails first, on creating it, and a status with less room left
+    than ``source`` takes is a full disk (``OSError`` ENOSPC).
+    """
+    import llama_cpp as ll
+
+    partial.touch(exist_ok=False)  # read-only or not writable: OSError here, with its errno
     params = ll.llama_model_quantize_default_params()
     params.ftype = getattr(ll, f"LLAMA_FTYPE_MOSTLY_{kind}")
     params.allow_requantize = True
     params.nthread = threads
-    try:
-        status = ll.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
-        if status != 0:
-            raise ValueError(f"llama.cpp could not write a {kind} copy of {source} (status {status})")
-        os.replace(partial, target)  # whole or absent, whoever else writes it meanwhile
-    finally:
-        partial.unlink(missing_ok=True)
-    return target
+    status = ll.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+    if status == 0:
+        return
+    if shutil.disk_usage(partial.parent).free < source.stat().st_size:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(partial.parent))
+    raise ValueError(f"llama.cpp could not write a {kind} copy of {source} (status {status})")
