@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import httpx
 import pytest
@@ -27,6 +28,7 @@ from tests.hostile import GOOD, HI, REFUSED, CappedEngine, check, post
 from tests.server_harness import running_server
 
 schemathesis = pytest.importorskip("schemathesis")
+from schemathesis.checks import positive_data_acceptance  # noqa: E402
 
 EXAMPLES = 50  # schemathesis bodies per (completion route, mode); half that for the token routes
 
@@ -49,25 +51,47 @@ def api(server):
 
 
 # ------------------------------------------------------------ property-based (schemathesis)
-@pytest.mark.parametrize("mode", ["positive", "negative"])
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"])
-def test_generated_bodies_never_get_a_5xx(api, server, path, mode):
-    if path not in api.raw_schema["paths"]:
-        pytest.skip(f"the app has no {path}")
-    strategy = api[path]["POST"].as_strategy(schemathesis.GenerationMode(mode))
-    completion = path.startswith("/v1/")
+#: Every operation of the server's OpenAPI document (checked against /openapi.json below).
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+              ("POST", "/detokenize"), ("GET", "/health"), ("HEAD", "/health"), ("GET", "/metrics"),
+              ("GET", "/v1/models"), ("GET", "/version")]
+
+
+def test_the_operations_are_those_of_the_document(api):
+    listed = [(method.upper(), path) for path, item in api.raw_schema["paths"].items() for method in item]
+    assert sorted(listed) == sorted(OPERATIONS)
+
+
+@pytest.mark.parametrize("method, path, mode", [(method, path, mode) for method, path in OPERATIONS
+                                                 for mode in ("positive", "negative")
+                                                 if mode == "positive" or method == "POST"])  # GETs take no input
+def test_every_route_passes_schemathesis_checks(api, server, method, path, mode):
+    """Bodies and parameters from the server's own OpenAPI document, answered as it says: schemathesis's checks
+    (no 5xx, documented statuses and content types, answers valid under their schemas, schema-invalid bodies
+    refused) and ours (:func:`tests.hostile.check`; usable bodies answered or refused naming their field)."""
+    operation = api[path][method]
+    completion = path.startswith("/v1/") and method == "POST"
 
     # half of the valid bodies get a usable conversation and lose the refused fields, so their options reach the engine
     # no shrinking: a failure is reported with the body as generated, and the count stays one request per body
-    @settings(max_examples=EXAMPLES if completion else EXAMPLES // 2, deadline=30_000, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
-    @given(case=strategy, usable=st.booleans())
+    @settings(max_examples=EXAMPLES if completion else EXAMPLES // 5 if method != "POST" else EXAMPLES // 2,
+              deadline=30_000, derandomize=True, database=None, suppress_health_check=list(HealthCheck),
+              phases=[Phase.explicit, Phase.generate])
+    @given(case=operation.as_strategy(schemathesis.GenerationMode(mode)), usable=st.booleans())
     def run(case, usable):
-        if usable and completion and mode == "positive" and isinstance(case.body, dict):
+        usable = usable and completion and mode == "positive" and isinstance(case.body, dict)
+        if usable:
             case.body |= {"messages": HI} if "messages" in case.body else {"prompt": "hi"}
             case.body = {k: v for k, v in case.body.items() if k not in REFUSED}
         response = case.call(base_url=server, timeout=60)
-        check(response.status_code, response.headers.get("content-type", [""])[0], response.content, case.body)
+        error = check(response.status_code, response.headers.get("content-type", [""])[0], response.content,
+                      case.body)
+        # a body the schema allows may still ask what the server refuses (top_logprobs without logprobs, more
+        # tokens than the window): a usable body is answered, or refused with a 400 naming one of its fields
+        if usable and response.status_code != 200:
+            assert response.status_code == 400 and error["param"], response.text[:500]
+            assert re.split(r"[.\[]", error["param"])[0] in case.body, (error, case.body)
+        case.validate_response(response, excluded_checks=[positive_data_acceptance] if method == "POST" else [])
 
     run()
 

@@ -7,13 +7,14 @@ import asyncio
 from fastapi import APIRouter, Depends
 
 from rapidspec.conversation import parse_messages
+from rapidspec.server.openapi import TOKENS
 from rapidspec.server.schemas import DetokenizeRequest, TokenizeRequest
 from rapidspec.server.state import ServerState, server_state
 
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=TOKENS)
 async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)) -> dict:
     state.check_model(body.model)
     messages = None if body.messages is None else parse_messages(body.messages)
@@ -24,7 +25,7 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_st
     return out
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=TOKENS)
 async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(server_state)) -> dict:
     state.check_model(body.model)
     return {"prompt": await asyncio.to_thread(state.tokens.detokenize, body.tokens)}
