@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -69,6 +70,10 @@ class DrafterFactory:
         self.backend = choose_backend(backend, target, drafter)
         self._pools: dict[str, object] = {}
         self._relation: str | None = None
+        # what is made on first use (pools, a drafter loaded by name, the relation, the prefill thread) is made
+        # once: the server's preparing threads and the engine thread ask at the same time (re-entrant: a torch
+        # pool loads the model)
+        self._making = threading.RLock()
         # Logits beyond the smaller vocabulary (embedding padding) are never real tokens.
         self.vocab_size = min(logit_width(target.model), self.pool(self.backend).logit_width)
 
@@ -76,17 +81,22 @@ class DrafterFactory:
     def model(self):
         """The torch drafter model (the target for self-speculation), loaded on first use when given by name."""
         if isinstance(self._source, str):
-            from rapidspec.models import load_model
+            with self._making:
+                if isinstance(self._source, str):
+                    from rapidspec.models import load_model
 
-            self._source = load_model(self._source, dtype=self.target.dtype, device=self.target.device)
-            check_same_vocabulary(self.target.tokenizer, self._source.tokenizer)
+                    loaded = load_model(self._source, dtype=self.target.dtype, device=self.target.device)
+                    check_same_vocabulary(self.target.tokenizer, loaded.tokenizer)
+                    self._source = loaded
         return self.target if self._source is None else self._source
 
     @property
     def relation(self) -> str:
         """``self``, ``larger`` or ``smaller`` (:mod:`.eta_default`), decided once."""
         if self._relation is None:
-            self._relation = drafter_relation(self.target, self._source)
+            with self._making:
+                if self._relation is None:
+                    self._relation = drafter_relation(self.target, self._source)
         return self._relation
 
     @property
@@ -98,17 +108,22 @@ class DrafterFactory:
         """The drafter pool of ``backend`` (``auto``: the default one), made on first use."""
         if backend == "auto":
             backend = self.backend
-        if backend not in self._pools:  # checked once, when the pool is made (not on every request)
-            backend = choose_backend(backend, self.target, self._source)
-            source = self._source
-            name = "self" if source is None else getattr(source, "label", str(source))
-            if backend == "llama.cpp":
-                gguf = gguf_file(self.target if source is None else source)
-                self._pools[backend] = LlamaCppDrafters(gguf, self.threads, self.target.tokenizer, name, keep=self.keep,
-                                                         gguf=self.gguf)
-            else:
-                self._pools[backend] = TorchDrafters(self.model, self.prefill_chunk_tokens, name, keep=self.keep)
-        return self._pools[backend]
+        pool = self._pools.get(backend)
+        if pool is None:
+            with self._making:
+                pool = self._pools.get(backend) or self._make_pool(backend)
+                self._pools[backend] = pool
+        return pool
+
+    def _make_pool(self, backend: str):
+        """A new pool of ``backend``, checked once when it is made (not on every request)."""
+        backend = choose_backend(backend, self.target, self._source)
+        source = self._source
+        name = "self" if source is None else getattr(source, "label", str(source))
+        if backend == "llama.cpp":
+            gguf = gguf_file(self.target if source is None else source)
+            return LlamaCppDrafters(gguf, self.threads, self.target.tokenizer, name, keep=self.keep, gguf=self.gguf)
+        return TorchDrafters(self.model, self.prefill_chunk_tokens, name, keep=self.keep)
 
     def max_context(self, config) -> int | None:
         """The drafter's window for ``config`` (None: no model drafter, or no limit of its own)."""
@@ -183,8 +198,9 @@ class DrafterFactory:
         if not self.prefills_beside(config):
             return None
         stats.drafter_prefill_beside = True
-        if self._beside is None:
-            self._beside = ThreadPoolExecutor(1, thread_name_prefix="rapidspec-drafter-prefill")
+        with self._making:
+            if self._beside is None:
+                self._beside = ThreadPoolExecutor(1, thread_name_prefix="rapidspec-drafter-prefill")
 
         def run():
             started = time.perf_counter()

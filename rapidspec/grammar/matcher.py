@@ -41,7 +41,13 @@ class GrammarTokens:
         self._lltokenizer = None
         self._lock = threading.Lock()
 
+    def prepare(self) -> None:
+        """Make the view now (the server does so on a preparing thread, before a request joins the batch)."""
+        self._ll()
+
     def _ll(self):
+        if self._lltokenizer is not None:
+            return self._lltokenizer
         with self._lock:
             if self._lltokenizer is None:
                 from llguidance.hf import from_tokenizer

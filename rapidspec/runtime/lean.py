@@ -22,6 +22,7 @@ fp32 greedy tokens equal).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -206,22 +207,29 @@ class LeanModel:
         self.scaling = self.head_dim**-0.5
         self.dtype = self.final_norm.dtype
         self.device = self.embed.weight.device
-        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        empty = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        self._rope = (empty, empty)  # (cos, sin) [positions, d], replaced whole (readers on other threads)
+        self._rope_lock = threading.Lock()
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def rope_tables(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [length, d] for positions ``start .. start + length - 1`` (grown on demand)."""
+        """cos and sin [length, d] for positions ``start .. start + length - 1`` (grown on demand, by one thread
+        at a time; a reader takes the pair as it stands)."""
         end = start + length
-        if end > self._cos.shape[0]:
-            size = max(end, 2 * self._cos.shape[0], 256)
-            positions = torch.arange(size, device=self.device)[None]  # [1, size]
-            probe = torch.empty(0, dtype=self.dtype, device=self.device)
-            cos, sin = self.rotary(probe, positions)  # [1, size, d], computed in float32 and rounded
-            self._cos, self._sin = cos[0], sin[0]
-        return self._cos[start:end], self._sin[start:end]
+        cos, sin = self._rope
+        if end > cos.shape[0]:
+            with self._rope_lock:
+                cos, sin = self._rope
+                if end > cos.shape[0]:
+                    size = max(end, 2 * cos.shape[0], 256)
+                    positions = torch.arange(size, device=self.device)[None]  # [1, size]
+                    probe = torch.empty(0, dtype=self.dtype, device=self.device)
+                    cos, sin = (t[0] for t in self.rotary(probe, positions))  # [size, d], float32 then rounded
+                    self._rope = (cos, sin)
+        return cos[start:end], sin[start:end]
 
     def forward_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """One forward for several sequences, each with its own cache, start and number of new tokens.

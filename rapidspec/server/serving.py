@@ -63,6 +63,8 @@ class GenerationServing:
 
         def prepare():  # off the event loop and off the engine thread
             state.tokens.check_fits(messages, documents, decode.truncate, state.window, body.query)
+            if decode.grammar is not None:  # the first grammar's tokenizer view (up to a second), not in a batch
+                state.engine.grammar_tokens.prepare()
             return state.engine.chat_prompts(messages, decode, documents=documents, query=body.query,
                                              recent_messages=recent, raw=not chat,
                                              retriever=state.retriever_for(retrieval), tools=tools)
