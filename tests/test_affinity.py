@@ -1,11 +1,22 @@
-"""The proxy's session key for requests without ``x-session-id`` (``serve --replicas``), without Ray."""
+"""The proxy's side of ``serve --replicas``, without a Ray instance: the session key of requests without
+``x-session-id``, the router's choice of replica (home, line, overflow), a cut stream's end, the fleet's counters."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+
+import httpx
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
 
 from rapidspec.scale.affinity import SessionAffinity, affinity_key
+from rapidspec.scale.fleet import ROUTER, FleetBoard
+from rapidspec.scale.proxy_errors import OpenAIErrorBodies
+from rapidspec.scale.router import AffinityRouter, default_max_line, home_of
+from rapidspec.server.fleet import fleet_health, merged_metrics
 
 DOCS = ["A long report."]
 FIRST = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who signed?"}]
@@ -69,3 +80,92 @@ def test_a_session_header_other_routes_and_bad_json_pass_untouched():
     assert session(run(scope("/tokenize"), body)[0]) is None
     seen, got = run(scope(), b"{not json")
     assert session(seen) is None and got == b"{not json"
+
+
+DEPLOYMENT = DeploymentID(name="rapidspec", app_name="rapidspec")
+
+
+class FakeReplica:
+    """What the router reads of a running replica."""
+
+    def __init__(self, name: str) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+        self.max_ongoing_requests = 32
+
+
+def pending(request: str, session: str = "", age_s: float = 0.0) -> PendingRequest:
+    metadata = RequestMetadata(request_id=request, internal_request_id=request, session_id=session)
+    return PendingRequest(args=[], kwargs={}, metadata=metadata, created_at=time.time() - age_s)
+
+
+def test_a_home_per_session_and_only_a_leaving_replicas_sessions_move():
+    a, b, c = (FakeReplica(name) for name in "abc")
+    sessions = [f"conversation-{i}" for i in range(300)]
+    homes = {s: home_of(s, [a, b, c]) for s in sessions}
+    assert {len([s for s in sessions if homes[s] is r]) > 60 for r in (a, b, c)} == {True}  # spread
+    after = {s: home_of(s, [a, b]) for s in sessions}
+    assert all(after[s] is homes[s] for s in sessions if homes[s] is not c)  # the others stay
+    assert default_max_line(4, 16) == 8 and default_max_line(2, 0) == 2 and default_max_line(1, 1) == 2
+
+
+def test_a_session_waits_for_its_home_until_its_line_reaches_the_bound():
+    async def scenario():
+        router = AffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.PROXY)
+        router.initialize_state(max_line=2, max_wait_s=30)
+        replicas = [FakeReplica("a"), FakeReplica("b")]
+        home = home_of("s", replicas)
+        other = next(r for r in replicas if r is not home)
+        assert await router.choose_replicas(replicas, pending("r1", "s")) == [[home]]  # only home: it waits there
+        for request in ("r1", "r2"):
+            router.on_request_routed(pending(request, "s"), home.replica_id, None)
+        router.on_request_routed(pending("health"), home.replica_id, None)  # no session: not in the line
+        assert router.line(home.replica_id) == 2
+        assert await router.choose_replicas(replicas, pending("r3", "s")) == [[other], [home]]  # at the bound
+        router.on_request_routed(pending("r3", "s"), other.replica_id, None)
+        assert router.overflows == {"line": 1}
+        router.on_request_completed(other.replica_id, "r1")  # not where r1 was: nothing changes
+        router.on_request_completed(home.replica_id, "r1")
+        assert await router.choose_replicas(replicas, pending("r4", "s")) == [[home]]  # the line is short again
+        late = pending("r5", "s", age_s=31)  # its home did not take it for max_wait_s
+        assert await router.choose_replicas(replicas, late) == [[other], [home]]
+        router.on_request_routed(late, home.replica_id, None)  # the home took it after all: no overflow
+        assert router.overflows == {"line": 1}
+        assert await router.choose_replicas(replicas, pending("page")) == [replicas]  # no session: any replica
+        assert await router.choose_replicas([home], pending("r6", "s")) == [[home]]  # nowhere else to go
+        router.update_replicas([])  # the replicas left: their lines go
+        assert router.line(home.replica_id) == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("how", ["returns", "raises"])
+async def test_a_stream_the_proxy_leaves_open_ends_with_an_error_event(anyio_backend, how):
+    async def proxy(scope, receive, send):  # the proxy when the replica dies mid-stream
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True})
+        if how == "raises":
+            raise RuntimeError("the replica died")
+
+    transport = httpx.ASGITransport(app=OpenAIErrorBodies(proxy))
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        response = await client.post("/v1/chat/completions")
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert response.status_code == 200 and events[0] == '{"choices": []}' and events[-1] == "[DONE]"
+    assert json.loads(events[1])["error"]["code"] == "replica_unavailable"
+    assert set(json.loads(events[1])["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_routers_counters_join_the_fleets_metrics_without_a_replica():
+    board = FleetBoard()
+    board.report("r1", {"running": 1, "waiting": 0}, b"# TYPE x counter\nx_total 2.0\n")
+    board.count_overflow("line")
+    reports = board.reports()
+    assert set(reports) == {"r1", ROUTER}
+    health = fleet_health(reports)
+    assert [r["replica"] for r in health["replicas"]] == ["r1"] and health["running"] == 1
+    text = merged_metrics(reports).decode()
+    assert 'x_total{replica="r1"} 2.0' in text
+    assert 'rapidspec:affinity_overflow_total{reason="line"} 1.0' in text
+    assert 'rapidspec:affinity_overflow_total{reason="wait"} 0.0' in text

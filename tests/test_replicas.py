@@ -4,13 +4,18 @@
 its ``x-session-id``, then as plain OpenAI requests (the proxy keys them by
 their leading messages): nothing lost, every second turn reuses the first turn's
 prefix (the conversation stayed on its replica); /health and /metrics cover
-both replicas; a replica killed mid-answer: its request gets a 5xx, none
-hangs (Ray Serve's proxy answers it with a 500, in OpenAI's body), the next
-requests are served.
+both replicas. A conversation whose replica is busy waits for it while its
+line is short (and reuses its prefix), and goes to the other replica once
+the line is at the router's bound (counted in /metrics). A replica killed
+mid-answer: its plain request gets a 5xx and its stream ends with an error
+event and ``[DONE]`` within seconds (none hangs), the next requests are
+served by the other replica at once, Serve restarts it, and conversations
+keep their prefix again.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -63,8 +68,9 @@ def replicas(tiny_model_dir):
         os.environ.pop(PROXY_CALLBACK_ENV, None)
 
 
-def _turn(url: str, conversation: int, turns: int, header: bool) -> dict:
-    messages = [{"role": "user", "content": " ".join(NOTES[conversation::4]) + ("" if header else " (plain)")}]
+def _turn(url: str, conversation: int | str, turns: int, header: bool) -> dict:
+    notes = NOTES[conversation::4] if isinstance(conversation, int) else [conversation, *NOTES[:6]]
+    messages = [{"role": "user", "content": " ".join(notes) + ("" if header else " (plain)")}]
     for turn in range(turns - 1):
         messages += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": f"And turn {turn}?"}]
     body = {"model": "tiny", "messages": messages, "max_tokens": 4, "ignore_eos": True, "mode": "lc"}
@@ -72,6 +78,65 @@ def _turn(url: str, conversation: int, turns: int, header: bool) -> dict:
     response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def _reused(answer: dict) -> int:
+    return answer["rapidspec"]["stats"]["target_prefill_reused_tokens"]
+
+
+LONG = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 4000,
+        "ignore_eos": True, "mode": "lc"}
+
+
+class Stream:
+    """A long streamed answer read in a thread until :meth:`close` (or its end); ``lines``: what arrived."""
+
+    def __init__(self, url: str, session: str) -> None:
+        self.lines: list[str] = []
+        self.ended: float | None = None
+        self.error: Exception | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url, session), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, session: str) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "stream": True},
+                              headers={"x-session-id": session}, timeout=120) as response:
+                for line in response.iter_lines():
+                    self.lines.append(line)
+                    if self._stop.is_set():
+                        break
+        except httpx.HTTPError as err:  # a dropped connection, where an error event was due
+            self.error = err
+        self.ended = time.monotonic()
+
+    def close(self, timeout: float = 30) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        assert not self._thread.is_alive()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _replicas(url: str) -> list[dict]:
+    return httpx.get(f"{url}/health", timeout=10).json()["replicas"]
+
+
+def _idle(url: str) -> bool:
+    return all(r["running"] == r["waiting"] == 0 for r in _replicas(url))
+
+
+def _busy(url: str, running: int, waiting: int) -> str | None:
+    """The replica with ``running`` requests running and ``waiting`` waiting, if one has."""
+    return next((r["replica"] for r in _replicas(url) if (r["running"], r["waiting"]) == (running, waiting)), None)
+
+
+def _overflows(url: str) -> float:
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("rapidspec:affinity_overflow_total"))
 
 
 @pytest.mark.parametrize("header", [True, False], ids=["x-session-id", "plain-openai"])
@@ -107,44 +172,85 @@ def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, heade
     assert wait_until(lambda: sum(served().values()) == finished, timeout=15)  # replicas report once a second
 
 
-def test_a_killed_replica_fails_its_request_cleanly_and_the_next_ones_are_served(replicas):
-    health = httpx.get(f"{replicas}/health", timeout=10).json()
-    pids = {r["replica"]: r["pid"] for r in health["replicas"]}
+def test_a_busy_replica_holds_its_conversation_until_its_line_reaches_the_bound(replicas):
+    """The bound is 2 x max_num_seqs = 4 requests (rapidspec.scale.router.default_max_line).
+
+    Replicas report once a second, so every wait on /health passes through an idle fleet first: a report
+    from before cannot pass for the state awaited.
+    """
+    _turn(replicas, "held", 1, header=True)
+    overflows = _overflows(replicas)
+    streams: list[Stream] = []
+    try:
+        assert wait_until(lambda: _idle(replicas), 60, 0.2)
+        streams = [Stream(replicas, "conversation-held") for _ in range(3)]  # its home: 2 running, 1 waiting
+        assert wait_until(lambda: _busy(replicas, 2, 1), 60, 0.2)
+        answer: dict = {}
+        second = threading.Thread(target=lambda: answer.update(_turn(replicas, "held", 2, header=True)))
+        second.start()  # line 3 < 4: it waits for its home
+        assert wait_until(lambda: _busy(replicas, 2, 2), 30, 0.1)
+        for stream in streams:
+            stream.close()  # the home's slots free up: the turn runs there
+        second.join(120)
+        assert _reused(answer) > 0 and _overflows(replicas) == overflows  # it found its prefix: it waited
+        assert wait_until(lambda: _idle(replicas), 60, 0.2)
+        streams = [Stream(replicas, "conversation-held") for _ in range(4)]  # the home's line: 4
+        assert wait_until(lambda: _busy(replicas, 2, 2), 60, 0.2)
+        started = time.monotonic()
+        elsewhere = _turn(replicas, "held", 3, header=True)  # at the bound: the other, idle, replica answers
+        assert time.monotonic() - started < 30 and elsewhere["usage"]["completion_tokens"] == 4  # not queued
+        assert wait_until(lambda: _overflows(replicas) == overflows + 1, 10, 0.2)  # counted in /metrics
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+def test_a_killed_replica_ends_its_requests_cleanly_and_the_others_serve_at_once(replicas):
+    pids = {r["replica"]: r["pid"] for r in _replicas(replicas)}
     outcome: dict = {}
+    assert wait_until(lambda: _idle(replicas), 60, 0.2)  # a report from before cannot name the wrong replica
 
     def long_answer() -> None:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 4000,
-                "ignore_eos": True, "mode": "lc"}
         try:
-            outcome["response"] = httpx.post(f"{replicas}/v1/chat/completions", json=body,
+            outcome["response"] = httpx.post(f"{replicas}/v1/chat/completions", json=LONG,
                                              headers={"x-session-id": "doomed"}, timeout=120)
         except httpx.HTTPError as err:  # a dropped connection is an error too, not a hang
             outcome["error"] = err
 
     thread = threading.Thread(target=long_answer)
     thread.start()
+    stream = Stream(replicas, "doomed")  # the same session: the same replica
     deadline = time.monotonic() + 60
     busy = None
-    while busy is None and time.monotonic() < deadline:
-        for replica in httpx.get(f"{replicas}/health", timeout=10).json()["replicas"]:
-            if replica["running"]:
-                busy = replica["replica"]
+    while (busy is None or not stream.lines) and time.monotonic() < deadline:
+        busy = _busy(replicas, 2, 0)
         time.sleep(0.2)
-    assert busy is not None
+    assert busy is not None and len(stream.lines) > 0
     os.kill(pids[busy], signal.SIGKILL)
+    killed = time.monotonic()
+    assert stream.join(30) and stream.ended - killed < 5  # ended within seconds, not hung
+    events = [line.removeprefix("data: ") for line in stream.lines if line.startswith("data: ")]
+    assert stream.error is None and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "replica_unavailable" and error["type"] == "server_error"
     thread.join(150)
     assert not thread.is_alive()  # answered, not hung
     if "response" in outcome:  # the proxy's own 500, in OpenAI's body
         response = outcome["response"]
         assert response.status_code >= 500 and response.json()["error"]["code"] == "replica_unavailable"
-    for conversation in range(2):  # the surviving (and the restarted) replicas serve the next requests
+    started = time.monotonic()
+    for conversation in ("doomed", 0):  # the surviving replica serves the next requests at once
         assert _turn(replicas, conversation, 1, header=True)["usage"]["completion_tokens"] == 4
+    assert time.monotonic() - started < 30
 
     def restarted() -> bool:  # Serve replaced the dead replica: two report again, the killed process not among them
-        health = httpx.get(f"{replicas}/health", timeout=10).json()
-        return len(health["replicas"]) == 2 and pids[busy] not in {r["pid"] for r in health["replicas"]}
+        health = _replicas(replicas)
+        return len(health) == 2 and pids[busy] not in {r["pid"] for r in health}
 
     assert wait_until(restarted, timeout=180, every=1.0)
+    for conversation in ("after-1", "after-2", "after-3"):  # conversations keep their prefix on the new set
+        _turn(replicas, conversation, 1, header=True)
+        assert _reused(_turn(replicas, conversation, 2, header=True)) > 0, conversation
 
 
 def test_replica_options_are_checked_before_anything_starts(capsys):

@@ -47,7 +47,8 @@ def register(subparsers) -> None:
     parser.add_argument("--recent-messages", type=int, default=DEFAULT_RECENT_MESSAGES,
                         help="earlier chat messages the drafter always reads verbatim (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="on SIGTERM/Ctrl-C, seconds to let running requests finish before cancelling them (default: %(default)s)")
+                        help="on SIGTERM/Ctrl-C, seconds to let running requests finish before cancelling them; new "
+                             "ones get 503 meanwhile (a second signal: stop now) (default: %(default)s)")
     limits = parser.add_argument_group("limits (docs/serving.md, 'Limits')")
     limits.add_argument("--api-key", default=None,
                         help="clients must send 'Authorization: Bearer KEY' (401 otherwise; /health stays open); "
@@ -86,10 +87,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from rapidspec.server import ServerConfig, create_app
-        from rapidspec.server.http import uvicorn_config
+        from rapidspec.server.http import DrainingServer, uvicorn_config
         from rapidspec.runtime.threads import helper_thread
     except ImportError as err:
         raise RapidspecError(f"rapidspec serve needs the serve extra ({err.name} is missing): "
@@ -127,10 +126,12 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     app = create_app(engine, config)
     logging.getLogger("rapidspec").setLevel(logging.INFO)
-    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, read_timeout_s=config.read_timeout_s,
-                                           log_level="info", timeout_graceful_shutdown=args.shutdown_timeout))
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler that was
-    # there before; a handler that does nothing makes that a clean exit with code 0.
+    server = DrainingServer(uvicorn_config(app, args.host, args.port, read_timeout_s=config.read_timeout_s,
+                                           log_level="info", timeout_graceful_shutdown=args.shutdown_timeout),
+                            app.state.server.drain, args.shutdown_timeout)
+    # On SIGTERM the server drains (new requests get 503, running ones finish), uvicorn shuts down, then
+    # raises the signal again for the handler that was there before; a handler that does nothing makes that
+    # a clean exit with code 0.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         server.run()

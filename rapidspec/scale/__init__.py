@@ -3,8 +3,9 @@
 * :mod:`.connect`: connect to a Ray cluster or start a local instance, with one-line errors.
 * :mod:`.replicas`: ``rapidspec serve --replicas N`` on Ray Serve (session affinity by
   :data:`SESSION_HEADER`, which :mod:`.affinity` sets in the proxy for requests without it);
+  :mod:`.router`: the proxy's request router (a conversation waits for its replica while its line is short);
   :mod:`.fleet`: the board the replicas report their health and metrics to;
-  :mod:`.proxy_errors`: the proxy's own errors in OpenAI's schema.
+  :mod:`.proxy_errors`: the proxy's own errors in OpenAI's schema (and the end of a stream cut by a dying replica).
 * :mod:`.eval_workers`: ``rapidspec eval --ray``: actors that answer items with
   engines of their own.
 

@@ -3,12 +3,13 @@
 Each replica is a Ray Serve deployment replica that loads the models once and
 serves :func:`~rapidspec.server.app.create_app` as its FastAPI ingress (so
 every route, limit and error is the single server's). Ray Serve's proxy
-listens on ``--host``/``--port`` and picks the replica with its
-``ConsistentHashRouter``: requests carrying the same ``x-session-id`` header
-(a conversation id) go to the same replica, whose prefix cache holds the
-conversation; requests without it get one in the proxy from their
-``prompt_cache_key``, ``user`` or leading messages (:mod:`rapidspec.scale.affinity`). Serve restarts
-a replica that dies. ``/health`` and ``/metrics`` cover every replica
+listens on ``--host``/``--port`` and picks the replica with our request router
+(:mod:`rapidspec.scale.router`): requests carrying the same ``x-session-id``
+header (a conversation id) go to the same replica, whose prefix cache holds
+the conversation, and wait for it while its line is short; requests without
+it get one in the proxy from their ``prompt_cache_key``, ``user`` or leading
+messages (:mod:`rapidspec.scale.affinity`). Serve restarts a replica that
+dies. ``/health`` and ``/metrics`` cover every replica
 (:mod:`rapidspec.scale.fleet`).
 """
 
@@ -28,7 +29,9 @@ from rapidspec.scale.fleet import FLEET_ACTOR, FLEET_NAMESPACE, FleetBoard, Flee
 logger = logging.getLogger(__name__)
 
 APP_NAME = "rapidspec"
-ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+ROUTER = "rapidspec.scale.router.AffinityRouter"
+#: Ray Serve's own session router (no waiting: it falls back when the replica is busy); for comparisons.
+CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 DEFAULT_REPLICA_RESOURCES = {"num_cpus": 1}
 
 
@@ -58,9 +61,11 @@ class RapidspecReplica:
 
 
 def deploy(spec, config, replicas: int, resources: dict | None = None,
-           host: str = "127.0.0.1", port: int = 8000):
+           host: str = "127.0.0.1", port: int = 8000, router: str = ROUTER, router_options: dict | None = None):
     """Start Serve on ``host:port`` and deploy ``replicas`` replicas (Ray must be initialized).
 
+    ``router``: the request router's import path; ours takes ``router_options`` (``max_line``, default
+    :func:`~rapidspec.scale.router.default_max_line` of ``config``; ``max_wait_s``).
     Returns the handle of the replicas' :class:`FleetBoard` once they run: keep it while they serve
     (the board is gone with its last handle).
     """
@@ -71,6 +76,11 @@ def deploy(spec, config, replicas: int, resources: dict | None = None,
     if replicas < 1:
         raise RapidspecError(f"--replicas must be >= 1, got {replicas}")
     resources = dict(DEFAULT_REPLICA_RESOURCES if resources is None else resources)
+    options = dict(router_options or {})
+    if router == ROUTER:
+        from rapidspec.scale.router import default_max_line
+
+        options.setdefault("max_line", default_max_line(config.max_num_seqs, config.max_queue))
     board = ray.remote(num_cpus=0)(FleetBoard).options(name=FLEET_ACTOR, namespace=FLEET_NAMESPACE,
                                                        get_if_exists=True).remote()
     serve.start(http_options={"host": host, "port": port})
@@ -78,7 +88,7 @@ def deploy(spec, config, replicas: int, resources: dict | None = None,
         serve.ingress()(RapidspecReplica), name=APP_NAME, num_replicas=replicas, ray_actor_options=resources,
         # the app keeps its own queue (429 beyond it); /health and /metrics need room too
         max_ongoing_requests=config.max_num_seqs + config.max_queue + 8,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER),
+        request_router_config=RequestRouterConfig(request_router_class=router, request_router_kwargs=options),
     )
     try:
         serve.run(deployment.bind(spec, config), name=APP_NAME, route_prefix="/", blocking=False)

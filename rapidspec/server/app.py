@@ -4,8 +4,9 @@
 (engine, queue, metrics, limits), the request guard (API key, body size) and
 CORS, the error mapping onto OpenAI's body (:mod:`.errors`) and the routers
 (:mod:`.routers`: generation, tokens, admin), the generation routes being
-served by :mod:`.serving`. Limits (API key, body size, window, time per
-request, CORS) are :class:`ServerConfig` fields.
+served by :mod:`.serving`; outermost, the drain on SIGTERM (:mod:`.http`).
+Limits (API key, body size, window, time per request, CORS) are
+:class:`ServerConfig` fields.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server.errors import add_error_handlers
-from rapidspec.server.http import READ_TIMEOUT_S
+from rapidspec.server.http import READ_TIMEOUT_S, DrainGate
 from rapidspec.server.limits import RequestGuard
 from rapidspec.server.routers import admin, generation, page, tokens
 from rapidspec.server.state import ServerState
@@ -110,6 +111,8 @@ def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
     if config.allowed_origins:  # outside the guard: CORS preflights need no key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
+    # outermost: a draining server refuses before reading a body, and counts every request it still answers
+    app.add_middleware(DrainGate, drain=state.drain, health=state.local_health, refused=state.metrics.failed)
     add_error_handlers(app, state.metrics)
     for router in (generation.router, tokens.router, admin.router, page.router):
         app.include_router(router)

@@ -19,6 +19,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
 from rapidspec.runtime.threads import helper_thread
 from rapidspec.server.capacity import concurrent_sequences, free_memory_bytes, kv_bytes_per_token
+from rapidspec.server.http import Drain
 from rapidspec.server.metrics import ServerMetrics
 from rapidspec.server.tokens import ServerTokens, TokenPieces
 from rapidspec.server.worker import Worker
@@ -28,7 +29,7 @@ KEPT_RETRIEVERS = 4
 
 
 class ServerState:
-    """The engine behind one app and what surrounds it: window, worker, metrics, tokens, retrievers, fleet."""
+    """The engine behind one app and what surrounds it: window, worker, metrics, tokens, retrievers, fleet, drain."""
 
     def __init__(self, engine, config, fleet=None) -> None:
         window = config.decode.max_model_len or engine.target.max_context
@@ -46,6 +47,7 @@ class ServerState:
         self.preparer = ThreadPoolExecutor(config.max_queue + self.worker.max_num_seqs, "rapidspec-prepare",
                                            initializer=helper_thread)
         self.started = int(time.time())
+        self.drain = Drain()  # begun on SIGTERM (rapidspec.server.http.DrainingServer)
         self._retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()
         self._retrievers_lock = threading.Lock()
         self.default_eta, self.eta_reason = resolve_eta(config.decode.with_(mode="rapid"), engine.drafter_relation)
@@ -74,7 +76,8 @@ class ServerState:
         """This engine's ``/health`` body (a replica's report to the fleet board too)."""
         engine, config, worker = self.engine, self.config, self.worker
         reason = "given by --eta" if self.eta_reason == "given" else self.eta_reason
-        return {"status": "ok", "model": config.model_name, "pid": os.getpid(), "running": worker.running,
+        return {"status": "draining" if self.drain.draining else "ok", "model": config.model_name, "pid": os.getpid(),
+                "running": worker.running,
                 "rapid_eta": {"default": self.default_eta.eta, "reason": reason, "drafter": engine.drafter_label,
                               "drafter_relation": engine.drafter_relation},
                 "waiting": worker.waiting, "max_num_seqs": worker.max_num_seqs, "max_queue": config.max_queue,
