@@ -15,6 +15,7 @@ keep their prefix again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,6 +97,7 @@ class Stream:
         self.ended: float | None = None
         self.error: Exception | None = None
         self._stop = threading.Event()
+        self._response: httpx.Response | None = None
         self._thread = threading.Thread(target=self._read, args=(url, session), daemon=True)
         self._thread.start()
 
@@ -103,6 +105,9 @@ class Stream:
         try:
             with httpx.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "stream": True},
                               headers={"x-session-id": session}, timeout=120) as response:
+                self._response = response
+                if self._stop.is_set():
+                    return
                 for line in response.iter_lines():
                     self.lines.append(line)
                     if self._stop.is_set():
@@ -111,8 +116,12 @@ class Stream:
             self.error = err
         self.ended = time.monotonic()
 
-    def close(self, timeout: float = 30) -> None:
+    def close(self, timeout: float = 60) -> None:
+        """Stop reading: at the next line, or at once for a stream still waiting for its first one."""
         self._stop.set()
+        if self._response is not None and not self.lines:  # queued: no line would come to see the flag
+            with contextlib.suppress(Exception):
+                self._response.close()
         self._thread.join(timeout)
         assert not self._thread.is_alive()
 
