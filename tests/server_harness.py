@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -64,6 +66,29 @@ def running_server(engine, apps: list | None = None, **config):
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+@contextmanager
+def serve_subprocess(*options: str, env: dict | None = None):
+    """``rapidspec serve OPTIONS`` in a subprocess on a free port of 127.0.0.1: yields (the process, its URL) once
+    ``/health`` answers 200 (within 120 s); killed on exit if still running (its output stays readable)."""
+    port = free_port()
+    command = [sys.executable, "-c", "import sys; from rapidspec.cli import main; sys.exit(main())", "serve",
+               "--port", str(port), *options]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return process.poll() is not None
+        assert wait_until(healthy, timeout=120, every=0.2) and process.poll() is None
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
 
 
 def wait_until(condition, timeout: float = 10.0, every: float = 0.05) -> bool:

@@ -281,27 +281,14 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(tiny_model_dir):
     """`rapidspec serve` in a subprocess (a tiny model saved to disk): SIGTERM mid-stream; the limits' flags."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    from tests.server_harness import free_port
+    from tests.server_harness import serve_subprocess
 
     model_dir = tiny_model_dir
-    port = free_port()
-    command = [sys.executable, "-c", "import sys; from rapidspec.cli import main; sys.exit(main())", "serve",
-               "--target", str(model_dir), "--port", str(port), "--retrieval", "bm25", "--shutdown-timeout", "20",
-               "--dtype", "float32", "--max-model-len", "3600", "--request-time-limit", "120"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env=os.environ | {"RAPIDSPEC_API_KEY": "sesame"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return process.poll() is not None
-        assert wait_until(healthy, timeout=120, every=0.2) and process.poll() is None
+    with serve_subprocess("--target", str(model_dir), "--retrieval", "bm25", "--shutdown-timeout", "20",
+                          "--dtype", "float32", "--max-model-len", "3600", "--request-time-limit", "120",
+                          env=os.environ | {"RAPIDSPEC_API_KEY": "sesame"}) as (process, url):
         assert httpx.get(f"{url}/v1/models").status_code == 401
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0, timeout=60)
         assert client.models.list().data[0].model_extra["max_model_len"] == 3600
@@ -316,9 +303,5 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(tiny_model_dir):
         assert finish == ["length"]  # the in-flight request completed
         assert process.wait(timeout=30) == 0
         assert time.monotonic() - started < 30
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
     log = process.stdout.read().decode()
     assert "Traceback" not in log

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,7 +20,7 @@ from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig, create_app
 from rapidspec.server.http import RETRY_AFTER_S, DrainingServer, uvicorn_config
-from tests.server_harness import SlowEngine, free_port, metric, wait_until
+from tests.server_harness import SlowEngine, free_port, metric, serve_subprocess, wait_until
 
 ASK = {"messages": [{"role": "user", "content": "Tell me a long story."}], "ignore_eos": True, "mode": "lc"}
 
@@ -44,19 +42,9 @@ def _events(lines) -> list:
 
 
 def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_model_dir):
-    port = free_port()
-    command = [sys.executable, "-c", "import sys; from rapidspec.cli import main; sys.exit(main())", "serve",
-               "--target", str(tiny_model_dir), "--port", str(port), "--retrieval", "bm25", "--dtype", "float32",
-               "--shutdown-timeout", "60", "--max-model-len", "1024", "--request-time-limit", "120"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return process.poll() is not None
-        assert wait_until(healthy, timeout=120, every=0.2) and process.poll() is None
+    with serve_subprocess("--target", str(tiny_model_dir), "--retrieval", "bm25", "--dtype", "float32",
+                          "--shutdown-timeout", "60", "--max-model-len", "1024", "--request-time-limit", "120") \
+            as (process, url):
         with httpx.stream("POST", f"{url}/v1/chat/completions", json={**ASK, "max_tokens": 600, "stream": True},
                           timeout=60) as stream:
             lines = stream.iter_lines()
@@ -74,10 +62,6 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_model
         assert finish[-1] == "length"
         assert process.wait(timeout=30) == 0
         assert time.monotonic() - signalled < 60
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
     log = process.stdout.read().decode()
     assert "Traceback" not in log and "draining" in log
 
