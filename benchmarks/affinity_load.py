@@ -105,6 +105,7 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from rapidspec.engine.spec import EngineSpec
     from rapidspec.models.spec import ModelSpec
     from rapidspec.retrieval import RetrievalConfig
     from rapidspec.scale.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
@@ -114,12 +115,12 @@ def main() -> None:
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
     folder = tempfile.mkdtemp(prefix="rapidspec-affinity-")
     target = args.target or tiny_model_dir(folder)
-    config = ServerConfig(model_name="tiny", max_num_seqs=2,
-                          retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128))
+    retrieval = RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)
+    config = ServerConfig(model_name="tiny", max_num_seqs=2, retrieval=retrieval)
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     url, hog, results = f"http://127.0.0.1:{args.port}", None, []
     try:
-        board = deploy(ModelSpec(target=target), config, replicas=2, resources={"num_cpus": 0.5}, port=args.port,
+        board = deploy(EngineSpec(ModelSpec(target=target), retrieval), config, replicas=2, resources={"num_cpus": 0.5}, port=args.port,
                        router=ROUTERS[args.router])  # noqa: F841  (held while serving)
         wait_for_replicas(url, 2)
         if args.hog:

@@ -39,9 +39,10 @@ def main() -> None:
     from rapidspec import Rapid
     from rapidspec.demo_document import demo_document
     from rapidspec.grammar import Grammar
+    from rapidspec.engine.spec import EngineSpec
     from rapidspec.models.spec import ModelSpec
 
-    engine = Rapid.from_spec(ModelSpec(target=args.target))
+    engine = Rapid.from_spec(EngineSpec(ModelSpec(target=args.target)))
     item = demo_document(tokenizer=engine.tokenizer)
     grammar = Grammar.json_schema(SCHEMA)
     engine.generate(item.document, QUESTION, mode="lc", max_new_tokens=1)  # the document's prefill, stored

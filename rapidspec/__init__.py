@@ -1,9 +1,8 @@
 """rapidspec: long-context inference with retrieval-augmented speculative decoding (RAPID).
 
-    from rapidspec import Rapid, load_model
-    target = load_model("builtin")
-    engine = Rapid(target)
-    out = engine.generate(document, question, mode="rapid", eta=2.0, gamma=6)
+    from rapidspec import EngineSpec, ModelSpec, Rapid
+    engine = Rapid.from_spec(EngineSpec(ModelSpec(target="builtin")))
+    out = engine.generate(document, question)   # mode rapid, its defaults
 
 Heavy modules (torch, transformers) load on first use of these names.
 """
@@ -16,6 +15,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Rapid": "rapidspec.engine",
+    "EngineSpec": "rapidspec.engine",
+    "ModelSpec": "rapidspec.models.spec",
     "GenerationOutput": "rapidspec.outputs",
     "StreamChunk": "rapidspec.outputs",
     "PrefixCache": "rapidspec.runtime.prefix_cache",

@@ -1,7 +1,25 @@
-"""Frozen, validated configuration of one generation.
+"""The bottom layer: the mode table, the option enumerations and the frozen, validated :class:`DecodeConfig`.
 
-The CLI maps its options onto these fields one to one. Invalid values raise
-:class:`rapidspec.errors.RapidspecError` with a one-line message.
+Every other part of rapidspec (prompts, conversations, drafting, the engine,
+the server's request schema, benchmarks, evaluation) asks the mode table here
+instead of keeping a set of its own::
+
+    mode      target reads   drafter reads  drafter kind  eta > 0
+    lc        full           -              -             no
+    rag       retrieved      -              -             no
+    sd        full           full           model         no
+    ragsd     full           retrieved      model         no
+    rapid     full           retrieved      model         yes
+    magicdec  full           streaming      model         no
+    lookup    full           retrieved      lookup        no
+
+``model`` drafts with a language model (the target's weights or another
+model, on torch or llama.cpp); ``lookup`` copies the continuation of the
+latest earlier match of the last n tokens (prompt lookup,
+:mod:`rapidspec.drafting.lookup`). The CLI and the server's request fields
+map onto :class:`DecodeConfig` one to one; invalid values raise
+:class:`rapidspec.errors.RapidspecError` with a one-line message. This module
+imports nothing of rapidspec but :mod:`rapidspec.errors` and :mod:`rapidspec.grammar.spec`.
 """
 
 from __future__ import annotations
@@ -10,15 +28,50 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from rapidspec.models.backend import DRAFTER_BACKENDS
-from rapidspec.drafting.eta_default import DEFAULT_ETA
-from rapidspec.drafting.modes import MODE_TABLE, MODES
-from rapidspec.drafting.streaming import DEFAULT_SINK_TOKENS, DEFAULT_STREAMING_TOKENS
 from rapidspec.errors import RapidspecError
 from rapidspec.grammar.spec import Grammar
 
-Mode = Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
+Reads = Literal["full", "retrieved", "streaming"]
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    target_reads: Literal["full", "retrieved"]
+    drafter_reads: Reads | None = None
+    drafter_kind: Literal["model", "lookup"] | None = None
+    eta: bool = False  # whether eta > 0 is allowed
+
+    @property
+    def uses_retrieval(self) -> bool:
+        return "retrieved" in (self.target_reads, self.drafter_reads)
+
+
+MODE_TABLE: dict[str, ModeSpec] = {
+    "lc": ModeSpec("full"),
+    "rag": ModeSpec("retrieved"),
+    "sd": ModeSpec("full", "full", "model"),
+    "ragsd": ModeSpec("full", "retrieved", "model"),
+    "rapid": ModeSpec("full", "retrieved", "model", eta=True),
+    "magicdec": ModeSpec("full", "streaming", "model"),
+    "lookup": ModeSpec("full", "retrieved", "lookup"),
+}
+MODES: tuple[str, ...] = tuple(MODE_TABLE)
+
+# Views of the table, for membership tests.
+TARGET_READS_RETRIEVED = frozenset(m for m, s in MODE_TABLE.items() if s.target_reads == "retrieved")
+USES_DRAFTER = frozenset(m for m, s in MODE_TABLE.items() if s.drafter_kind is not None)
+USES_RETRIEVAL = frozenset(m for m, s in MODE_TABLE.items() if s.uses_retrieval)
+
+#: What runs a model drafter (:mod:`rapidspec.models.backend`): the engine's default, torch or llama.cpp.
+DRAFTER_BACKENDS: tuple[str, ...] = ("auto", "torch", "llama.cpp")
+#: StreamingLLM's attention sinks (the RAPID paper's MagicDec: SinkCache(window_length=4096, num_sink_tokens=4)).
+DEFAULT_SINK_TOKENS = 4
+#: Tokens magicdec's drafter view holds, sinks included (the same baseline's window).
+DEFAULT_STREAMING_TOKENS = 4096
 GAMMA_SCHEDULES: tuple[str, ...] = ("auto", "constant", "heuristic", "cost")
+#: How tokens are recovered after a rejection (``DecodeConfig.residual``) and how a long document fits (``truncate``).
+RESIDUALS: tuple[str, ...] = ("exact", "paper")
+TRUNCATIONS: tuple[str, ...] = ("middle", "error")
 #: When the drafter is prepared (``DecodeConfig.drafter_start``).
 DRAFTER_STARTS: tuple[str, ...] = ("auto", "first")
 #: Smallest temperature that samples; below it logits / T overflow (0 is greedy).
@@ -33,25 +86,20 @@ MAX_TOKENS = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
-#: The eta of ``rapid`` when none is given and no engine says how its drafter relates to the target;
-#: an engine uses the default of its drafter's relation (:mod:`rapidspec.drafting.eta_default`).
-DEFAULT_RAPID_ETA = DEFAULT_ETA["self"]
-
-
 @dataclass(frozen=True)
 class DecodeConfig:
     """How to decode. See README "Modes and knobs".
 
     * ``mode``: ``lc`` | ``rag`` | ``sd`` | ``ragsd`` | ``rapid`` | ``magicdec`` | ``lookup``
-      (:data:`rapidspec.drafting.modes.MODE_TABLE`).
+      (:data:`MODE_TABLE`).
     * ``drafter_backend``: ``auto`` (the engine's default), ``torch`` or
       ``llama.cpp``: what runs a model drafter (:mod:`rapidspec.drafting.backends`).
     * ``sink_tokens``, ``streaming_tokens``: mode ``magicdec``'s drafter reads
       the first ``sink_tokens`` and the last ``streaming_tokens - sink_tokens``
-      tokens of the target's prompt (a StreamingLLM cache, :mod:`rapidspec.drafting`).
+      tokens of the target's prompt (a StreamingLLM cache, :mod:`rapidspec.drafting.streaming`).
     * ``eta``: strength of the retrieval-augmented target (paper's eta). Only
       ``rapid`` uses it; ``None`` means the default of the drafter's relation to
-      the target for ``rapid`` (the engine decides: :mod:`rapidspec.drafting.eta_default`)
+      the target for ``rapid`` (:func:`rapidspec.engine.resolve` decides it, :mod:`rapidspec.drafting.eta_default`)
       and 0 otherwise (greedy compares logits at temperature 1, where eta = 5
       shifts as much as the paper's eta = 50 at T = 0.1).
     * ``gamma``: drafted tokens per round. ``gamma_schedule="heuristic"``
@@ -65,7 +113,7 @@ class DecodeConfig:
       per token (:mod:`rapidspec.drafting.gamma_schedule`). Its choices never
       follow the clock: a request gets the same rounds alone, in a batch or on
       a busy machine. ``"constant"`` drafts ``gamma`` every round.
-      ``"auto"`` (default) is ``cost``.
+      ``"auto"`` (default) is ``cost`` (:func:`rapidspec.engine.resolve` decides it).
     * ``drafter_start``: ``auto`` (default): the first token is the target's
       (plain step after its prefill); retrieval and the drafter's prefill run
       in bounded pieces between the next rounds, only while the expected
@@ -79,6 +127,13 @@ class DecodeConfig:
     * ``temperature``: 0 is greedy, > 0 samples.
     * ``top_k`` (0 = off), ``top_p`` in (0, 1]: filters applied to both the
       target and the drafter logits before the temperature softmax.
+    * ``frequency_penalty``, ``presence_penalty`` in [-2, 2] (OpenAI's: minus
+      the count of a token in the answer so far times the first, minus the
+      second once it occurs) and ``repetition_penalty`` in (0, 10]
+      (transformers' and vLLM's: a token of the prompt or the answer has its
+      logit divided by it when positive, multiplied when negative; 1 = off).
+      Applied to the target's and the drafter's logits alike along each
+      drafted path, before the temperature (:mod:`rapidspec.penalties`).
     * ``draft_gate``: alpha of the gate ``q >= alpha * max(q)``.
     * ``residual``: ``exact`` (tokens follow p^) or ``paper`` (Eq. 10).
     * ``max_new_tokens``, ``stop``: stop strings, ``seed``: for sampling.
@@ -103,30 +158,33 @@ class DecodeConfig:
     Counts are bounded (:data:`MAX_GAMMA`, :data:`MAX_TOKENS`, :data:`MAX_STOP_STRINGS`).
     """
 
-    mode: Mode = "rapid"
+    mode: str = "rapid"  # MODES
     eta: float | None = None
     gamma: int = 6
-    gamma_schedule: Literal["auto", "constant", "heuristic", "cost"] = "auto"
+    gamma_schedule: str = "auto"  # GAMMA_SCHEDULES
     max_gamma: int = 16
-    drafter_start: Literal["auto", "first"] = "auto"
+    drafter_start: str = "auto"  # DRAFTER_STARTS
     draft_confidence: float = 0.0
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     draft_gate: float = 0.1
-    residual: Literal["exact", "paper"] = "exact"
+    residual: str = "exact"  # RESIDUALS
     max_new_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
-    truncate: Literal["middle", "error"] = "middle"
+    truncate: str = "middle"  # TRUNCATIONS
     sink_tokens: int = DEFAULT_SINK_TOKENS
     streaming_tokens: int = DEFAULT_STREAMING_TOKENS
-    drafter_backend: Literal["auto", "torch", "llama.cpp"] = "auto"
+    drafter_backend: str = "auto"  # DRAFTER_BACKENDS
     max_model_len: int | None = None
     time_limit_s: float | None = None
     logprobs: int | None = None
     grammar: Grammar | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -153,16 +211,23 @@ class DecodeConfig:
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise RapidspecError(f"seed must be an integer in [0, 2**64), got {self.seed}")
         _check_count("top_k", self.top_k, 0, MAX_TOKENS)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise RapidspecError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if (isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float))
+                or not 0.0 < self.repetition_penalty <= 10.0):
+            raise RapidspecError(f"repetition_penalty must be a number in (0, 10] (1 = off), got {self.repetition_penalty!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise RapidspecError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.draft_gate <= 1.0):
             raise RapidspecError(f"draft_gate must be in [0, 1], got {self.draft_gate}")
-        if self.residual not in ("exact", "paper"):
+        if self.residual not in RESIDUALS:
             raise RapidspecError(f"residual must be 'exact' or 'paper', got {self.residual!r}")
         _check_count("max_new_tokens", self.max_new_tokens, 1, MAX_TOKENS)
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s or len(s) > 1000 for s in self.stop):
             raise RapidspecError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most 1000 characters")
-        if self.truncate not in ("middle", "error"):
+        if self.truncate not in TRUNCATIONS:
             raise RapidspecError(f"truncate must be 'middle' or 'error', got {self.truncate!r}")
         _check_count("sink_tokens", self.sink_tokens, 0, MAX_TOKENS)
         _check_count("streaming_tokens", self.streaming_tokens, self.sink_tokens + 16, MAX_TOKENS)
@@ -179,16 +244,14 @@ class DecodeConfig:
         object.__setattr__(self, "grammar", Grammar.of(self.grammar))
 
     @property
-    def resolved_gamma_schedule(self) -> str:
-        """The schedule the rounds follow: ``auto`` is ``cost``."""
-        return "cost" if self.gamma_schedule == "auto" else self.gamma_schedule
-
-    @property
-    def effective_eta(self) -> float:
-        """The eta used: the given one, for ``rapid`` by default the self-speculation default, else 0."""
+    def eta_value(self) -> float:
+        """The eta the rounds use: the config's, 0 outside ``rapid``. A ``rapid`` config without one is not
+        resolved yet: :func:`rapidspec.engine.resolve` fills in the default of the drafter's relation."""
         if not MODE_TABLE[self.mode].eta:
             return 0.0
-        return DEFAULT_RAPID_ETA if self.eta is None else float(self.eta)
+        if self.eta is None:
+            raise ValueError("eta is decided by the engine: resolve the config first (rapidspec.engine.resolve)")
+        return float(self.eta)
 
     @property
     def greedy(self) -> bool:

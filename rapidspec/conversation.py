@@ -40,7 +40,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from rapidspec.drafting import MODE_TABLE
+from rapidspec.config import MODE_TABLE
 from rapidspec.errors import ContextLengthError, RapidspecError
 from rapidspec.prompts import TEMPLATE_TOKENS, DeferredDrafterPrompt, PromptPair, chat_template_ids, cut_middle, text_ids
 from rapidspec.retrieval import CHUNK_SEPARATOR

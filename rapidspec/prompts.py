@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from rapidspec.config import DecodeConfig
-from rapidspec.drafting import MODE_TABLE, streaming_view
+from rapidspec.config import MODE_TABLE, DecodeConfig
+from rapidspec.drafting.streaming import streaming_view
 from rapidspec.errors import ContextLengthError, RapidspecError
 
 logger = logging.getLogger(__name__)

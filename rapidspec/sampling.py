@@ -216,7 +216,7 @@ class SamplingParams:
     @classmethod
     def of(cls, config) -> "SamplingParams":
         """The knobs of a :class:`~rapidspec.config.DecodeConfig` (its effective eta)."""
-        return cls(config.effective_eta, config.draft_gate, config.temperature, config.top_k, config.top_p,
+        return cls(config.eta_value, config.draft_gate, config.temperature, config.top_k, config.top_p,
                    config.residual)
 
 

@@ -71,8 +71,8 @@ class GenerationStats:
 
     @classmethod
     def starting(cls, config, prompts) -> GenerationStats:
-        """The stats of decoding ``prompts`` (a PromptPair) with ``config`` (a DecodeConfig), before the first round."""
-        stats = cls(mode=config.mode, eta=config.effective_eta, gamma=config.gamma, gamma_schedule=config.resolved_gamma_schedule)
+        """The stats of decoding ``prompts`` (a PromptPair) with ``config`` (a resolved DecodeConfig), before the first round."""
+        stats = cls(mode=config.mode, eta=config.eta_value, gamma=config.gamma, gamma_schedule=config.gamma_schedule)
         stats.prompt_tokens_target = len(prompts.target_ids)
         stats.document_tokens_truncated = prompts.truncated_tokens
         stats.add_resolved_prompts(prompts)

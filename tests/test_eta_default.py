@@ -8,8 +8,8 @@ import pytest
 
 from rapidspec import Rapid
 from rapidspec.config import DecodeConfig
-from rapidspec.drafting.eta_default import (DEFAULT_ETA, EtaWarnings, drafter_relation, parameter_count, relation,
-                                            resolve_eta)
+from rapidspec.drafting.eta_default import DEFAULT_ETA, EtaWarnings, drafter_relation, parameter_count, relation
+from rapidspec.engine import resolve
 from rapidspec.models import low_bit_copy
 from tests.conftest import make_tiny_model
 
@@ -36,19 +36,25 @@ def test_drafter_relation_of_models(tiny_model, other_tiny_model, small_and_larg
 
 
 def test_resolve_fills_the_default_and_keeps_a_given_eta(caplog):
-    rapid = DecodeConfig(mode="rapid")
+    rapid = DecodeConfig(mode="rapid", gamma_schedule="constant")
     for kind in ("self", "larger", "smaller"):
-        config, why = resolve_eta(rapid, kind)
+        config, why = resolve(rapid, kind)
         assert config.eta == DEFAULT_ETA[kind] and why.startswith("default for")
-    config, why = resolve_eta(rapid.with_(eta=0.5), "smaller")
+    config, why = resolve(rapid.with_(eta=0.5), "smaller")
     assert config.eta == 0.5 and why == "given"
-    assert resolve_eta(DecodeConfig(mode="lc"), "smaller") == (DecodeConfig(mode="lc"), None)
+    lc = DecodeConfig(mode="lc", gamma_schedule="constant")
+    assert resolve(lc, "smaller") == (lc, None)
+    # the one step also decides the gamma schedule: auto is cost; the config says what the rounds ran
+    assert resolve(DecodeConfig(), "self")[0].gamma_schedule == "cost"
+    assert DecodeConfig(mode="lc").eta_value == 0.0 and resolve(DecodeConfig(), "larger")[0].eta_value == DEFAULT_ETA["larger"]
+    with pytest.raises(ValueError, match="resolve"):
+        DecodeConfig(mode="rapid").eta_value  # an unresolved rapid config has no eta yet
     warnings = EtaWarnings()
     with caplog.at_level(logging.WARNING, logger="rapidspec.drafting.eta_default"):
         for _ in range(3):
-            resolve_eta(rapid.with_(eta=DEFAULT_ETA["smaller"] + 3), "smaller", warnings)
-        resolve_eta(rapid.with_(eta=DEFAULT_ETA["smaller"]), "smaller", warnings)  # the default itself: no warning
-        resolve_eta(rapid.with_(eta=50.0), "self", warnings)  # only a smaller drafter warns
+            resolve(rapid.with_(eta=DEFAULT_ETA["smaller"] + 3), "smaller", warnings)
+        resolve(rapid.with_(eta=DEFAULT_ETA["smaller"]), "smaller", warnings)  # the default itself: no warning
+        resolve(rapid.with_(eta=50.0), "self", warnings)  # only a smaller drafter warns
     assert len(caplog.records) == 1 and "smaller than the target" in caplog.records[0].getMessage()
 
 
@@ -79,3 +85,17 @@ def test_eval_uses_the_default_of_its_drafter(tiny_model, small_and_large, tmp_p
     assert [r["eta"] for r in rapid] == [DEFAULT_ETA["smaller"]]
     assert rapid[0]["config"]["drafter_relation"] == "smaller"
     assert [r["mode"] for r in result.records] == ["lc", "rapid", "drafter"]
+
+
+def test_bench_labels_the_eta_its_engine_ran(tiny_model, small_and_large):
+    """With a larger drafter and no eta, the rows and the report say 10 (the engine's default), not self's 1."""
+    from rapidspec.bench import speed
+    from rapidspec.retrieval import RetrievalConfig
+
+    engine = Rapid(tiny_model, small_and_large[1], drafter_backend="torch", reuse_document_cache=False,
+                   retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128))
+    assert engine.drafter_relation == "larger" and DEFAULT_ETA["larger"] != DEFAULT_ETA["self"]
+    report = speed.run_benchmark(engine, [speed.BenchItem("The cat sat on the mat. " * 20, "Where did the cat sit?")],
+                                 ("lc", "rapid"), DecodeConfig(max_new_tokens=3), repeats=1, warmup=False)
+    assert report.eta == DEFAULT_ETA["larger"]
+    assert [(r.mode, r.eta) for r in report.results] == [("lc", 0.0), ("rapid", DEFAULT_ETA["larger"])]

@@ -50,6 +50,25 @@ def test_eval_end_to_end_and_resume(tiny_cli, tmp_path, capsys):
     assert len(results.read_text().splitlines()) == 2
 
 
+
+def test_eval_builds_its_engine_from_every_drafter_option(tiny_cli, tmp_path, monkeypatch, capsys):
+    """The drafter options reach eval's engine (they were accepted and dropped before)."""
+    from rapidspec.engine import Rapid
+
+    built, from_spec = [], Rapid.from_spec.__func__
+
+    def spy(cls, spec, loaded=None):
+        built.append(from_spec(cls, spec, loaded))
+        return built[-1]
+
+    monkeypatch.setattr(Rapid, "from_spec", classmethod(spy))
+    data = write_longbench2(tmp_path / "lb.json", n=1)
+    assert main(["eval", "--data", str(data), "--modes", "rapid", "--max-new-tokens", "2", "--drafter-threads", "1",
+                 "--drafter-prefill", "after", "--drafter-gguf", "as-is", "--json-only", *SMALL_RETRIEVAL]) == 0
+    (engine,) = built
+    assert (engine.drafting.threads, engine.drafting.prefill, engine.drafting.gguf) == (1, "after", "as-is")
+    assert engine.retriever.config.method == "bm25" and engine.retriever.config.budget_tokens == 128
+
 def test_eval_synthetic_and_leval(tiny_cli, tmp_path, capsys):
     assert main(["eval", "--format", "synthetic", "--lengths", "1024", "--per-task", "1", "--modes", "lc,rapid",
                  "--max-new-tokens", "4", *SMALL_RETRIEVAL]) == 0

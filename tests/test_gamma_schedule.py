@@ -8,6 +8,7 @@ import pytest
 
 from rapidspec import DecodeConfig
 from rapidspec.cli import main
+from rapidspec.engine import resolve
 from rapidspec.errors import RapidspecError
 from rapidspec.drafting.gamma_schedule import (
     ACCEPTANCE_DECAY,
@@ -141,13 +142,15 @@ COSTS = StepCosts(draft_step=0.01, verify_base=0.1, verify_per_token=0.001)
 
 
 def test_new_schedule_follows_the_config():
-    # auto (the default): cost, with or without a seed (its choices never follow the clock)
-    assert DecodeConfig().gamma_schedule == "auto" and isinstance(new_schedule(DecodeConfig(), COSTS), CostSchedule)
-    assert isinstance(new_schedule(DecodeConfig(seed=0), COSTS), CostSchedule)
-    assert DecodeConfig(seed=3).resolved_gamma_schedule == "cost"
+    # auto (the default): cost once resolved, with or without a seed (its choices never follow the clock)
+    assert DecodeConfig().gamma_schedule == "auto"
+    for config in (DecodeConfig(), DecodeConfig(seed=0)):
+        assert isinstance(new_schedule(resolve(config, "self")[0], COSTS), CostSchedule)
+    with pytest.raises(ValueError, match="resolve"):
+        new_schedule(DecodeConfig(), COSTS)  # auto is the engine's to decide
     assert isinstance(new_schedule(DecodeConfig(gamma_schedule="constant"), COSTS), ConstantSchedule)
     assert isinstance(new_schedule(DecodeConfig(gamma_schedule="heuristic"), COSTS), HeuristicSchedule)
-    rapid = new_schedule(DecodeConfig(gamma_schedule="cost", gamma=3, max_gamma=9), COSTS)
+    rapid = new_schedule(DecodeConfig(gamma_schedule="cost", gamma=3, max_gamma=9, eta=1.0), COSTS)
     assert isinstance(rapid, CostSchedule) and (rapid.gamma, rapid.max_gamma, rapid.k_min) == (3, 9, 0)
     assert rapid.costs is COSTS
     assert rapid.bonus_forward and not new_schedule(DecodeConfig(mode="sd", gamma_schedule="cost"), COSTS).bonus_forward

@@ -25,6 +25,7 @@ import time
 import httpx
 import pytest
 
+from rapidspec.engine.spec import EngineSpec
 from rapidspec.models.spec import ModelSpec
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig
@@ -45,9 +46,9 @@ def replicas(tiny_model_dir):
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # as `rapidspec serve --replicas` sets it for its local Ray
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
-    spec = ModelSpec(target=str(tiny_model_dir))
-    config = ServerConfig(model_name="tiny", max_num_seqs=2,
-                          retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128))
+    retrieval = RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)
+    spec = EngineSpec(ModelSpec(target=str(tiny_model_dir)), retrieval)
+    config = ServerConfig(model_name="tiny", max_num_seqs=2, retrieval=retrieval)
     try:
         board = deploy(spec, config, replicas=2, resources={"num_cpus": 0.5}, host="127.0.0.1", port=port)
         url = f"http://127.0.0.1:{port}"

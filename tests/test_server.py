@@ -184,7 +184,7 @@ def test_an_unknown_model_is_a_404_as_openai_answers(server, stream):
 def test_null_means_the_default_for_every_optional_field(client):
     """OpenAI clients send null for "default"; none of them may fail the request."""
     nulls = {name: None for name in ("temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
-                                     "metadata", "store", "frequency_penalty", "presence_penalty", "logprobs",
+                                     "metadata", "store", "frequency_penalty", "presence_penalty", "repetition_penalty", "logprobs",
                                      "max_completion_tokens", "mode", "eta", "gamma", "gamma_schedule", "max_gamma",
                                      "draft_confidence", "top_k", "draft_gate", "residual", "ignore_eos", "truncate",
                                      "sink_tokens", "streaming_tokens", "drafter_backend", "documents", "query",
@@ -305,3 +305,20 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(tiny_model_dir):
         assert time.monotonic() - started < 30
     log = process.stdout.read().decode()
     assert "Traceback" not in log
+
+
+def test_penalties_are_request_fields_with_the_engines_meaning(client, engine):
+    """frequency_penalty, presence_penalty (OpenAI's) and repetition_penalty (vLLM's extra) reach the engine; out of
+    range they are a 400 naming the field."""
+    messages = [{"role": "user", "content": "Say something about apples and pears."}]
+    penalties = {"frequency_penalty": 1.0, "presence_penalty": 0.5}
+    served = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, **penalties,
+                                            extra_body={"repetition_penalty": 1.5, "mode": "lc"})
+    direct = engine.chat(messages, max_new_tokens=24, mode="lc", repetition_penalty=1.5, **penalties)
+    assert served.choices[0].message.content == direct.text
+    plain = engine.chat(messages, max_new_tokens=24, mode="lc")
+    assert plain.token_ids != direct.token_ids
+    for field, value in (("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body={field: value})
+        assert field in str(caught.value)

@@ -102,7 +102,7 @@ RAW_NUMBERS = [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e400"]
 NUMBER_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "eta", "gamma", "max_gamma",
                  "draft_confidence", "top_k", "draft_gate", "sink_tokens", "streaming_tokens", "budget_tokens",
                  "chunk_tokens", "recent_messages", "seed", "top_logprobs", "n", "best_of", "frequency_penalty",
-                 "presence_penalty"]
+                 "presence_penalty", "repetition_penalty"]
 SAMPLING_FLOATS = ["temperature", "top_p", "eta", "draft_gate", "draft_confidence"]
 
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from rapidspec import Rapid
+from rapidspec import EngineSpec, Rapid
 from rapidspec.demo_document import demo_document
 from rapidspec.errors import RapidspecError
 from rapidspec.models.loading import builtin_gguf_path
@@ -40,7 +40,7 @@ def server():
         builtin_gguf_path(QWEN.split(":")[1])
     except RapidspecError as err:  # make test installs it; a bare pytest may not have it
         pytest.skip(str(err))
-    with running_server(Rapid.from_spec(ModelSpec(target=QWEN)), model_name="qwen") as url:
+    with running_server(Rapid.from_spec(EngineSpec(ModelSpec(target=QWEN))), model_name="qwen") as url:
         yield url
 
 

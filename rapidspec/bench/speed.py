@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rapidspec.config import MODES, DecodeConfig
-from rapidspec.drafting import TARGET_READS_RETRIEVED, USES_DRAFTER
+from rapidspec.config import MODES, TARGET_READS_RETRIEVED, USES_DRAFTER, DecodeConfig
+
 from rapidspec.errors import RapidspecError
 from rapidspec.bench.results import BenchReport, Measurement, Result
 from rapidspec.bench.memory import GIB, PeakMemory
@@ -192,7 +192,8 @@ def measure(
     return result
 
 
-def _summarise(variant: Variant, item_index: int, item: BenchItem, runs: list[Measurement], profile: bool) -> Result:
+def _summarise(engine, variant: Variant, item_index: int, item: BenchItem, runs: list[Measurement],
+               profile: bool) -> Result:
     last = runs[-1]
     config = variant.config
     split = None
@@ -221,7 +222,7 @@ def _summarise(variant: Variant, item_index: int, item: BenchItem, runs: list[Me
         rounds=last.rounds,
         acceptance_rate=_median([m.acceptance_rate for m in runs]),
         mean_accepted_length=_median([m.mean_accepted_length for m in runs]),
-        eta=config.effective_eta if config is not None else None,
+        eta=engine.resolve(config)[0].eta_value if config is not None else None,  # what the engine ran
         gamma=config.gamma if config is not None and variant.mode in USES_DRAFTER else None,
         sweep_value=variant.sweep_value,
         peak_rss_gib=max(m.peak_rss_bytes for m in runs) / GIB,
@@ -319,7 +320,7 @@ def run_benchmark(
                         run.total_seconds += shared_prefill_seconds - run.target_prefill_seconds
                         run.target_prefill_seconds = shared_prefill_seconds
                 runs[variant.label].append(run)
-        results.extend(_summarise(v, index, item, runs[v.label], profile) for v in columns)
+        results.extend(_summarise(engine, v, index, item, runs[v.label], profile) for v in columns)
     compare_with_lc(results)
     return BenchReport(
         model=engine.target.name,
@@ -331,7 +332,7 @@ def run_benchmark(
         ignore_eos=base.ignore_eos,
         shared_prefill=share_prefill,
         gamma=base.gamma,
-        eta=base.with_(mode="rapid").effective_eta,
+        eta=engine.resolve(base.with_(mode="rapid"))[0].eta_value,
         sweep=sweep,
         results=results,
         draft_confidence=base.draft_confidence,

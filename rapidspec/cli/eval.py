@@ -15,8 +15,8 @@ from dataclasses import fields
 from rich.console import Console
 from rich.table import Table
 
-from rapidspec.cli.options import (add_decode_options, add_model_options, add_retrieval_options, decode_config, json_object,
-                                   load_models, model_spec, retrieval_config)
+from rapidspec.cli.options import (add_decode_options, add_model_options, add_retrieval_options, decode_config,
+                                   engine_spec, json_object, load_models)
 from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.config import MAX_TOP_LOGPROBS, MODES, DecodeConfig
 from rapidspec.errors import RapidspecError
@@ -29,7 +29,8 @@ from rapidspec.evaluation.variants import parse_eval_sweep
 
 # Decode options passed through to every generation when not at their defaults.
 _PASSED_THROUGH = ("gamma_schedule", "max_gamma", "draft_confidence", "top_k", "top_p", "draft_gate", "residual", "stop",
-                   "truncate", "ignore_eos", "sink_tokens", "streaming_tokens", "drafter_backend")
+                   "truncate", "ignore_eos", "sink_tokens", "streaming_tokens", "drafter_backend", "frequency_penalty",
+                   "presence_penalty", "repetition_penalty")
 
 
 def register(subparsers) -> None:
@@ -123,11 +124,11 @@ def run(args: argparse.Namespace) -> int:
         if unknown or not tasks:
             raise RapidspecError(f"unknown synthetic task(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(TASKS)}")
         lengths = _int_list(args.lengths, "lengths")
-    retrieval = retrieval_config(args)
+    spec = engine_spec(args)  # every model, drafter and retrieval option, for the engine of each worker
     if args.data is not None and not synthetic:  # read the data before the (slow) model load
         items = load_items(args.data, args.format, include_adversarial=args.include_adversarial)
 
-    workers = _ray_workers(args)
+    workers = _ray_workers(args, spec)
     target, drafter = load_models(args) if workers is None else (None, None)
     max_context = target.max_context if workers is None else workers.ask_one("max_context")
     judge = None
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         items = items[: args.limit]
 
     result = run_eval(
-        items, target, drafter=drafter, retrieval=retrieval, modes=modes, eta=args.eta, gamma=args.gamma,
+        items, target, drafter=drafter, spec=spec, modes=modes, eta=args.eta, gamma=args.gamma,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         results=args.results, overwrite=args.overwrite, data_label=label, decode_options=passed,
         sweep=sweep, retrieve_from=args.retrieve_from, other_items=every_item, prefill_progress=prefill_bar(args.quiet),
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ray_workers(args: argparse.Namespace):
+def _ray_workers(args: argparse.Namespace, spec):
     """The Ray actors --ray asks for (connected, models loading), or None for a local run."""
     if args.ray is None:
         if args.workers is not None or args.worker_resources is not None:
@@ -182,7 +183,7 @@ def _ray_workers(args: argparse.Namespace):
 
     resources = json_object(args.worker_resources, "--worker-resources", '{"num_cpus": 1}')
     address = None if args.ray == "local" else args.ray
-    return RayWorkers(model_spec(args), 2 if args.workers is None else args.workers, address, resources).connect()
+    return RayWorkers(spec, 2 if args.workers is None else args.workers, address, resources).connect()
 
 
 def breakdown_table(rows) -> Table:

@@ -8,7 +8,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from rapidspec.config import DRAFTER_STARTS, GAMMA_SCHEDULES, MODES, DecodeConfig
-from rapidspec.models.backend import DRAFTER_BACKENDS, DRAFTER_PREFILLS
+from rapidspec.config import DRAFTER_BACKENDS
+from rapidspec.models.backend import DRAFTER_PREFILLS
 from rapidspec.errors import RapidspecError
 from rapidspec.grammar import Grammar
 from rapidspec.models import RUNTIMES
@@ -73,6 +74,14 @@ def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> N
     group.add_argument("--temperature", type=float, default=_DEFAULT_DECODE.temperature, help="0 = greedy (default: 0)")
     group.add_argument("--top-k", type=int, default=_DEFAULT_DECODE.top_k, help="top-k filter, 0 = off")
     group.add_argument("--top-p", type=float, default=_DEFAULT_DECODE.top_p, help="nucleus filter in (0, 1]")
+    group.add_argument("--frequency-penalty", type=float, default=_DEFAULT_DECODE.frequency_penalty,
+                       help="OpenAI's: lower a token's logit by this times its count in the answer so far, in [-2, 2] "
+                            "(default: %(default)s)")
+    group.add_argument("--presence-penalty", type=float, default=_DEFAULT_DECODE.presence_penalty,
+                       help="OpenAI's: lower a token's logit by this once it is in the answer, in [-2, 2] (default: %(default)s)")
+    group.add_argument("--repetition-penalty", type=float, default=_DEFAULT_DECODE.repetition_penalty,
+                       help="transformers' and vLLM's: divide (multiply when negative) the logit of a token of the "
+                            "prompt or the answer by this; 1 = off (default: %(default)s)")
     group.add_argument("--draft-gate", type=float, default=_DEFAULT_DECODE.draft_gate, help="alpha of the gate q >= alpha*max(q) (default: %(default)s)")
     group.add_argument("--residual", default=_DEFAULT_DECODE.residual, choices=["exact", "paper"], help="resampling rule after a rejection")
     group.add_argument("--max-new-tokens", type=int, default=_DEFAULT_DECODE.max_new_tokens, help="answer length limit (default: %(default)s)")
@@ -161,11 +170,18 @@ def add_prefix_cache_option(parser: argparse.ArgumentParser) -> None:
                              "least recently used evicted, 0 = off (default: %(default)s)")
 
 
+def engine_spec(args: argparse.Namespace, reuse_document_cache: bool = True):
+    """The :class:`~rapidspec.engine.spec.EngineSpec` the model, drafter and retrieval options name, one to one."""
+    from rapidspec.engine.spec import EngineSpec
+
+    return EngineSpec(model_spec(args), retrieval_config(args), reuse_document_cache=reuse_document_cache)
+
+
 def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):
-    """Load the target (and drafter) named by the options and build a Rapid engine."""
+    """The engine the options name, loaded (:meth:`rapidspec.Rapid.from_spec` of :func:`engine_spec`)."""
     from rapidspec.engine import Rapid
 
-    return Rapid.from_spec(model_spec(args), retrieval_config(args), reuse_document_cache=reuse_document_cache)
+    return Rapid.from_spec(engine_spec(args, reuse_document_cache))
 
 
 def json_object(text: str | None, flag: str, example: str) -> dict | None:

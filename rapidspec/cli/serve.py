@@ -14,8 +14,8 @@ from rapidspec.cli.options import (
     add_retrieval_options,
     decode_config,
     json_object,
+    engine_spec,
     load_engine,
-    model_spec,
     retrieval_config,
 )
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
         logging.getLogger("rapidspec").setLevel(logging.INFO)
         resources = json_object(args.replica_resources, "--replica-resources", '{"num_cpus": 1}')
-        return serve_replicas(model_spec(args), config, args.replicas, args.ray_address, resources, args.host, args.port)
+        return serve_replicas(engine_spec(args), config, args.replicas, args.ray_address, resources, args.host, args.port)
     if args.ray_address is not None or args.replica_resources is not None:
         raise RapidspecError("--ray-address and --replica-resources apply with --replicas")
     helper_thread()  # the engine's thread computes; this one only loads and serves HTTP (rapidspec.runtime.threads)

@@ -60,8 +60,9 @@ class Drafter(Protocol):
 
     ``sequence``: the drafter's prompt then the committed answer tokens;
     ``vocab_size``: the logits both models share; ``cache``: the key/value
-    cache drafting reads (None without a model); ``bonus_seconds``: the time
-    the last :meth:`bonus_row` took.
+    cache drafting reads (None without a model); ``device``: where it computes
+    (its cache's device; the target's without a cache); ``bonus_seconds``: the
+    time the last :meth:`bonus_row` took.
     """
 
     sequence: list[int]
@@ -71,18 +72,24 @@ class Drafter(Protocol):
     @property
     def cache(self): ...
 
+    @property
+    def device(self) -> torch.device: ...
+
     def propose(self, k: int, config, generator: torch.Generator, stop_tokens: frozenset[int],
-                grammar=None) -> Proposal:
+                grammar=None, penalties=None) -> Proposal:
         """Up to ``k`` drafted tokens after the committed ones, with their rows (:class:`Proposal`).
 
         ``grammar``: a :class:`~rapidspec.grammar.GrammarState` when the answer is constrained: every draft
         is one it allows after the committed answer and the drafts before it, and the rows are masked by it.
+        ``penalties``: a :class:`~rapidspec.penalties.Penalties`: each row is penalised for the committed answer
+        and the drafts before it.
         """
         ...
 
     def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False,
-                  grammar=None) -> torch.Tensor | None:
-        """The row at the position after the last draft ([V], masked by ``grammar``), or None when there is none."""
+                  grammar=None, penalties=None) -> torch.Tensor | None:
+        """The row at the position after the last draft ([V], masked by ``grammar``, penalised by ``penalties``),
+        or None when there is none."""
         ...
 
     def commit(self, emitted: list[int]) -> None:
@@ -128,29 +135,32 @@ class ModelDrafter:
     def device(self) -> torch.device:
         return self.cache.device
 
-    def _next_logits(self, token_ids: list[int], grammar=None) -> torch.Tensor:
+    def _next_logits(self, token_ids: list[int], grammar=None, penalties=None) -> torch.Tensor:
         logits = self.cache.forward(token_ids, 1)[0, : self.vocab_size]  # [V]
-        if grammar is None:
-            return logits
-        return apply_mask(logits, grammar.mask_after(self._drafts))  # the position after the drafts so far
+        if grammar is not None:
+            logits = apply_mask(logits, grammar.mask_after(self._drafts))  # the position after the drafts so far
+        if penalties is not None:
+            logits = penalties.row_after(logits, self._drafts)
+        return logits
 
     def propose(self, k: int, config, generator: torch.Generator, stop_tokens: frozenset[int],
-                grammar=None) -> Proposal:
+                grammar=None, penalties=None) -> Proposal:
         """Feed the pending tokens, then draft up to ``k`` tokens one by one (the last one is not fed).
 
         Drafting stops early after a token in ``stop_tokens`` (nothing follows
         an EOS) or, with ``config.draft_confidence``, after an unsure draft.
-        With a ``grammar`` each position's logits are masked before the draft is chosen.
+        With a ``grammar`` each position's logits are masked, with ``penalties`` penalised, before the draft
+        is chosen.
         """
         self.bonus_seconds = 0.0
         self._drafts = []
         if k <= 0:
             return NO_PROPOSAL
-        keep_rows = not config.greedy or config.effective_eta > 0
+        keep_rows = not config.greedy or config.eta_value > 0
         confidence = config.draft_confidence
         rows: list[torch.Tensor] = []  # each [V] on the target's device
         pending = self.sequence[self.cache.length :]
-        logits = self._next_logits(pending, grammar)  # [V]
+        logits = self._next_logits(pending, grammar, penalties)  # [V]
         forwards = 1
         for position in range(k):
             if keep_rows:
@@ -164,13 +174,13 @@ class ModelDrafter:
             self._drafts.append(token)
             if position == k - 1 or unsure or token in stop_tokens:
                 break
-            logits = self._next_logits([token], grammar)
+            logits = self._next_logits([token], grammar, penalties)
             forwards += 1
         return Proposal(list(self._drafts), torch.stack(rows) if rows else None, forwards, len(pending))
 
     def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False,
-                  grammar=None) -> torch.Tensor | None:
-        """The row at the position after the last draft ([V], masked by ``grammar``), or None after a stopping draft.
+                  grammar=None, penalties=None) -> torch.Tensor | None:
+        """The row after the last draft ([V], masked by ``grammar``, penalised), or None after a stopping draft.
 
         Feeding the last draft costs nothing extra when it is accepted: the
         next round would feed it anyway. ``sync``: wait for the device, so
@@ -179,7 +189,7 @@ class ModelDrafter:
         if self._drafts and self._drafts[-1] in stop_tokens:
             return None
         started = time.perf_counter()
-        logits = self._next_logits((self.sequence + self._drafts)[self.cache.length :], grammar)
+        logits = self._next_logits((self.sequence + self._drafts)[self.cache.length :], grammar, penalties)
         row = draft_row(logits, config, self.target_device)
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

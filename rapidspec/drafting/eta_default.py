@@ -10,7 +10,7 @@ drafter (docs/quality.md, "The defaults and their evidence"):
     larger     another model at least 90% of the target's size  DEFAULT_ETA["larger"]
     smaller    another model below that                     DEFAULT_ETA["smaller"]
 
-A given eta is always used as given; with a smaller drafter an eta above its
+A given eta is always used as given (:func:`rapidspec.engine.resolve` applies the default); with a smaller drafter an eta above its
 default is warned about once per value.
 """
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import logging
 from typing import Literal
-
-from rapidspec.drafting.modes import MODE_TABLE
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +65,6 @@ def drafter_relation(target, drafter) -> Relation:
     if drafter is None or drafter is target or name in ("self", getattr(target, "name", None)):
         return "self"
     return relation(parameter_count(target), parameter_count(drafter))
-
-
-def resolve_eta(config, kind: Relation, warnings: EtaWarnings | None = None):
-    """(``config`` with a concrete eta, where it came from): ``given``, a default's reason, or None outside rapid."""
-    if not MODE_TABLE[config.mode].eta:
-        return config, None
-    if config.eta is None:
-        return config.with_(eta=DEFAULT_ETA[kind]), default_reason(kind)
-    if warnings is not None:
-        warnings.check(kind, float(config.eta))
-    return config, "given"
 
 
 class EtaWarnings:

@@ -30,7 +30,7 @@ from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters
 from rapidspec.models.backend import DRAFTER_PREFILLS, choose_backend, gguf_file
 from rapidspec.drafting.eta_default import drafter_relation
 from rapidspec.drafting.lookup import LookupDrafter
-from rapidspec.drafting.modes import MODE_TABLE
+from rapidspec.config import MODE_TABLE
 from rapidspec.errors import RapidspecError
 from rapidspec.models.vocabulary import check_same_vocabulary, logit_width
 from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
@@ -219,7 +219,7 @@ class DrafterFactory:
             prompts, drafter, stats.drafter_prefill_own_seconds = beside.result()
             return prompts, drafter
         drafter = self.start(prompts, config, stats, device)
-        if drafter is not None and drafter.cache is not None and drafter.device.type == "cuda":
+        if drafter is not None and drafter.device.type == "cuda":
             torch.cuda.synchronize(drafter.device)
         return prompts, drafter
 

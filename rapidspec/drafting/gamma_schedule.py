@@ -258,11 +258,13 @@ class CostSchedule:
 
 
 def new_schedule(config, costs: StepCosts) -> GammaSchedule:
-    """The schedule ``config.resolved_gamma_schedule`` names (``config``: a :class:`~rapidspec.config.DecodeConfig`;
-    ``costs``: the machine's calibrated step costs, read by ``cost``)."""
-    name = config.resolved_gamma_schedule
+    """The schedule ``config.gamma_schedule`` names (``config``: a :class:`~rapidspec.config.DecodeConfig` resolved by
+    :func:`rapidspec.engine.resolve`, so ``auto`` is decided; ``costs``: the machine's step costs, read by ``cost``)."""
+    name = config.gamma_schedule
     if name == "heuristic":
         return HeuristicSchedule(config.gamma, config.max_gamma)
     if name == "cost":
-        return CostSchedule(config.gamma, config.max_gamma, config.effective_eta, costs)
-    return ConstantSchedule(config.gamma)
+        return CostSchedule(config.gamma, config.max_gamma, config.eta_value, costs)
+    if name == "constant":
+        return ConstantSchedule(config.gamma)
+    raise ValueError(f"gamma_schedule {name!r} is decided by the engine: resolve the config first (rapidspec.engine.resolve)")

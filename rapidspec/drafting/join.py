@@ -233,7 +233,7 @@ class DrafterJoin:
     # ------------------------------------------------------------ internals
     def _worth(self, prepare_seconds: float, target: TargetCosts, remaining: int) -> bool:
         drafting = drafting_seconds_per_token(self.step_costs, self.acceptance, self.config.max_gamma,
-                                              self.config.effective_eta > 0)
+                                              self.config.eta_value > 0)
         return worth_preparing(prepare_seconds, target.verify(1), drafting, remaining)
 
     def _retrieval_seconds(self) -> float:

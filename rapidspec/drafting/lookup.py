@@ -42,6 +42,11 @@ class LookupDrafter:
         self._latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(MIN_NGRAM, MAX_NGRAM + 1)}
         self._indexed = 0  # n-grams ending before indices < _indexed are registered
 
+    @property
+    def device(self) -> torch.device:
+        """Where its (empty) rows live: the target's device."""
+        return self.target_device
+
     def _index(self, upto: int) -> None:
         """Register the n-grams ending before indices in [_indexed, upto)."""
         seq = self.sequence
@@ -63,7 +68,7 @@ class LookupDrafter:
                 return self.sequence[start : start + k]
         return []
 
-    def propose(self, k: int, config, generator, stop_tokens: frozenset[int], grammar=None) -> Proposal:
+    def propose(self, k: int, config, generator, stop_tokens: frozenset[int], grammar=None, penalties=None) -> Proposal:
         """The continuation of the latest match, cut before a token the ``grammar`` (when given) forbids."""
         if k <= 0:
             return NO_PROPOSAL
@@ -85,7 +90,7 @@ class LookupDrafter:
             rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return Proposal(tokens, rows, 0)
 
-    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False, grammar=None) -> None:
+    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False, grammar=None, penalties=None) -> None:
         return None  # eta is 0 in mode lookup: p^ = p needs no q
 
     def commit(self, emitted: list[int]) -> None:

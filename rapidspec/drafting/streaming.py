@@ -15,10 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: StreamingLLM's attention sinks (the RAPID paper's MagicDec: SinkCache(window_length=4096, num_sink_tokens=4)).
-DEFAULT_SINK_TOKENS = 4
-#: Tokens the drafter's view holds, sinks included (the same baseline's window).
-DEFAULT_STREAMING_TOKENS = 4096
 
 
 def streaming_view(token_ids: Sequence[int], sink_tokens: int, budget_tokens: int) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
 """Answering and scoring one (item, run variant) with one engine: what a local eval and each Ray worker do.
 
-:class:`RunOptions` is everything besides the models that decides a record
-(retrieval, the decode defaults, the answer length, the data label, where the
-drafter retrieves from); :class:`ItemRunner` holds the engine built from the
-models and the options, and turns an (item, variant) pair into a record
+:class:`RunOptions` is everything besides the engine that decides a record
+(the decode defaults, the answer length, the data label, where the drafter
+retrieves from); :class:`ItemRunner` holds the engine built from an
+:class:`~rapidspec.engine.spec.EngineSpec` (every drafter option and retrieval,
+:meth:`rapidspec.Rapid.from_spec`) over the loaded models, and turns an (item, variant) pair into a record
 without its ``config``, which the caller adds (with the judge's name when
 there is one). Each call names its retriever and prompt template; the
 engine's own are never reassigned. Records do not depend on which process
@@ -27,11 +28,10 @@ DRAFTER_ROW = "drafter"
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What besides the models decides a record; ``corpora``: item id -> the text its retrieval reads instead;
+    """What besides the engine decides a record; ``corpora``: item id -> the text its retrieval reads instead;
     ``logprobs``: K > 0 stores the top-K log-probabilities of each answer's first tokens under each view
     (:mod:`.logprob_views`)."""
 
-    retrieval: object  # RetrievalConfig
     base: DecodeConfig
     max_new_tokens: int | None = None
     data_label: str = ""
@@ -41,17 +41,18 @@ class RunOptions:
 
 
 class ItemRunner:
-    """One engine over ``target`` and ``drafter`` answering items under ``options``."""
+    """The engine of ``spec`` (an EngineSpec) over ``target`` and ``drafter`` (loaded from ``spec.models``)
+    answering items under ``options``."""
 
-    def __init__(self, target, drafter, options: RunOptions,
+    def __init__(self, spec, target, drafter, options: RunOptions,
                  prefill_progress: Callable[[int, int], None] | None = None) -> None:
         from rapidspec.engine import Rapid
 
-        self.options = options
+        self.spec, self.options = spec, options
         self.prefill_progress = prefill_progress
-        self.engine = Rapid(target, drafter, retrieval=options.retrieval, drafter_backend=options.base.drafter_backend)
+        self.engine = Rapid.from_spec(spec, loaded=(target, drafter))
         self.config = run_config(target, drafter, self.engine.drafter_backend, options.base, data=options.data_label,
-                                 max_new_tokens=options.max_new_tokens, retrieval=options.retrieval,
+                                 max_new_tokens=options.max_new_tokens, retrieval=spec.retrieval,
                                  retrieve_from=options.retrieve_from, logprobs=options.logprobs,
                                  drafter_relation=self.engine.drafter_relation)
         self._drafter_engine = None
@@ -64,17 +65,20 @@ class ItemRunner:
 
         if budget_tokens not in self._retrievers:
             self._retrievers[budget_tokens] = Retriever(
-                replace(self.options.retrieval, budget_tokens=budget_tokens), tokenizer=self.engine.tokenizer,
+                replace(self.spec.retrieval, budget_tokens=budget_tokens), tokenizer=self.engine.tokenizer,
                 embedder=self._retrievers[None].loaded_embedder,
             )
         return self._retrievers[budget_tokens]
 
     def _drafter_engine_for(self):
         """An engine whose target is the drafter model, for its own answers on the retrieved text (mode rag)."""
-        from rapidspec.engine import Rapid
+        from rapidspec.engine import EngineSpec, Rapid
+        from rapidspec.models.spec import ModelSpec
 
         if self._drafter_engine is None:
-            self._drafter_engine = Rapid(self.engine.drafter, drafter_backend="torch")
+            drafter = self.engine.drafter
+            spec = EngineSpec(ModelSpec(target=drafter.name, drafter_backend="torch"), self.spec.retrieval)
+            self._drafter_engine = Rapid.from_spec(spec, loaded=(drafter, None))
         return self._drafter_engine
 
     def run(self, item: EvalItem, variant) -> dict:

@@ -76,9 +76,10 @@ class Judge:
     max_new_tokens: int = 96
 
     def __post_init__(self) -> None:
-        from rapidspec.engine import Rapid
+        from rapidspec.engine import EngineSpec, Rapid
+        from rapidspec.models.spec import ModelSpec
 
-        self.engine = Rapid(self.model)
+        self.engine = Rapid.from_spec(EngineSpec(ModelSpec(target=self.name)), loaded=(self.model, None))
         self.config = DecodeConfig(mode="lc", temperature=0.0, max_new_tokens=self.max_new_tokens)
 
     @property

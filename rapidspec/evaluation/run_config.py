@@ -19,6 +19,8 @@ DEFAULT_MAX_NEW_TOKENS = {"mc": 64, "qa": 64, "needle": 128, "summary": 256}
 RETRIEVAL_SPEED_ONLY = ("batch_size", "max_cached_documents")
 #: Decode fields that are per record (the record key) or set per task type, not part of the file's identity.
 PER_RECORD = ("mode", "eta", "gamma", "max_new_tokens")
+#: Knobs added after results files were written: stored only when set, so those files still resume.
+STORED_WHEN_SET = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
 def describe_model(model) -> dict | str | None:
@@ -36,7 +38,9 @@ def describe_model(model) -> dict | str | None:
 
 def decode_identity(base: DecodeConfig) -> dict:
     """Every decode knob of ``base`` but the per-record ones, JSON-ready."""
-    knobs = {k: v for k, v in asdict(base).items() if k not in PER_RECORD}
+    defaults = DecodeConfig()
+    knobs = {k: v for k, v in asdict(base).items()
+             if k not in PER_RECORD and not (k in STORED_WHEN_SET and v == getattr(defaults, k))}
     knobs["stop"] = list(knobs["stop"])
     return knobs
 

@@ -31,12 +31,12 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rapidspec.config import MAX_TOP_LOGPROBS, MODES, DecodeConfig
-from rapidspec.drafting import MODE_TABLE
-from rapidspec.drafting.eta_default import DEFAULT_ETA
+from rapidspec.config import MODE_TABLE
+from rapidspec.engine.defaults import resolve
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import EvalItem
 from rapidspec.evaluation.judge import JUDGED_TASK_TYPES
@@ -202,6 +202,7 @@ def run_eval(
     target,
     *,
     drafter=None,
+    spec=None,
     retrieval=None,
     modes: Sequence[str] = DEFAULT_MODES,
     eta: float | None = None,
@@ -226,8 +227,9 @@ def run_eval(
     """Run every item under every mode (and sweep point, :mod:`.variants`) and score it.
 
     ``target`` and ``drafter`` are :class:`rapidspec.models.LoadedModel`
-    objects (or anything :class:`rapidspec.Rapid` accepts); ``retrieval`` a
-    :class:`rapidspec.retrieval.RetrievalConfig`. ``max_new_tokens=None``
+    objects (or anything :class:`rapidspec.Rapid` accepts), loaded from ``spec`` (an
+    :class:`~rapidspec.engine.spec.EngineSpec`; its drafter options and retrieval build the engine; None: the
+    defaults); ``retrieval``, a :class:`rapidspec.retrieval.RetrievalConfig`, replaces the spec's. ``max_new_tokens=None``
     uses :data:`DEFAULT_MAX_NEW_TOKENS` per task type. ``retrieve_from``:
     None (each item's own document), ``"other-item"`` (the next item's
     document with other text among ``other_items``, default ``items``:
@@ -237,8 +239,8 @@ def run_eval(
     ``judge``: a :class:`~rapidspec.evaluation.judge.Judge` that rates open
     answers (``qa``, ``summary``) into ``metrics`` (``judge``, ``judge_rating``).
     ``workers``: a :class:`~rapidspec.scale.eval_workers.RayWorkers` that
-    answers the items on Ray actors with engines of their own (``target`` and
-    ``drafter`` are then unused); the judge and the results file stay here.
+    answers the items on Ray actors with engines of their own, built from the spec
+    they were given (``target``, ``drafter`` and ``spec`` are then unused); the judge and the results file stay here.
     ``logprobs``: K > 0 stores in each record the top-K log-probabilities of
     its first answer tokens under the lc, rag and drafter views
     (:mod:`~rapidspec.evaluation.logprob_views`). When the drafter is another
@@ -248,7 +250,7 @@ def run_eval(
     round and draft ``gamma`` a round (``drafter_start="first"``, ``gamma_schedule="constant"``: the paper's
     setting) unless ``decode_options`` say otherwise.
     """
-    from rapidspec.retrieval import RetrievalConfig
+    from rapidspec.engine.spec import EngineSpec
 
     modes = tuple(modes)
     for mode in modes:
@@ -259,7 +261,9 @@ def run_eval(
     ids = [item.id for item in items]
     if len(set(ids)) != len(ids):
         raise RapidspecError("item ids are not unique")
-    retrieval = retrieval or RetrievalConfig()
+    spec = spec or EngineSpec()
+    if retrieval is not None:
+        spec = replace(spec, retrieval=retrieval)
     decode_options = dict(decode_options or {})
     corpora = retrieval_corpora(items, retrieve_from, other_items)
     base = DecodeConfig(**{"mode": "rapid", "eta": eta, "gamma": gamma, "max_gamma": max(gamma, DecodeConfig.max_gamma),
@@ -269,11 +273,11 @@ def run_eval(
         raise RapidspecError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
     if logprobs and any(item.messages for item in items):
         raise RapidspecError("--logprobs applies to questions about documents, not to chat-form items")
-    options = RunOptions(retrieval, base, max_new_tokens, data_label, retrieve_from, corpora, logprobs)
-    runner = ItemRunner(target, drafter, options, prefill_progress) if workers is None else workers.start(options)
+    options = RunOptions(base, max_new_tokens, data_label, retrieve_from, corpora, logprobs)
+    runner = ItemRunner(spec, target, drafter, options, prefill_progress) if workers is None else workers.start(options)
     config = dict(runner.config)
-    if base.eta is None and (sweep is None or sweep.param != "eta"):  # the default of the drafter's relation
-        base = base.with_(eta=DEFAULT_ETA[config["drafter_relation"]])
+    if sweep is None or sweep.param != "eta":  # the eta default of the drafter's relation, as the engine decides it
+        base = resolve(base, config["drafter_relation"])[0]
     if judge is not None:
         config["judge"] = judge.name
     store = ResultsFile(results, config, overwrite=overwrite)

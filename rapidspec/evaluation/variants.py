@@ -24,8 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rapidspec.config import DecodeConfig
-from rapidspec.drafting import USES_DRAFTER, USES_RETRIEVAL
+from rapidspec.config import USES_DRAFTER, USES_RETRIEVAL, DecodeConfig
 from rapidspec.errors import RapidspecError
 
 #: Knobs ``eval --sweep`` takes (name -> value type).
@@ -70,7 +69,7 @@ class Variant:
     @property
     def eta(self) -> float:
         """The eta the run uses (0 outside rapid), as recorded in keys."""
-        return self.config.effective_eta if self.config is not None else 0.0
+        return self.config.eta_value if self.config is not None else 0.0
 
     @property
     def gamma(self) -> int | None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rapidspec.config import DRAFTER_BACKENDS
 from rapidspec.errors import RapidspecError
 
-DRAFTER_BACKENDS: tuple[str, ...] = ("auto", "torch", "llama.cpp")
 #: When a llama.cpp drafter prefills its prompt: ``auto`` beside the target's prefill where the CPU has
 #: cores to spare for the drafter's threads (:func:`rapidspec.drafting.factory.spare_cores`), else after
 #: it; ``beside``; ``after``.

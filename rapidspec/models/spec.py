@@ -1,8 +1,8 @@
 """What a run loads, decided once: :class:`ModelSpec`.
 
-The command line builds one from its model options, one to one; the server,
-``rapidspec eval`` and the Ray workers (:mod:`rapidspec.scale`) take it and
-call :meth:`ModelSpec.load` (or :meth:`rapidspec.Rapid.from_spec`), so a
+The command line builds one from its model options, one to one, inside the
+:class:`~rapidspec.engine.spec.EngineSpec` that every surface passes to
+:meth:`rapidspec.Rapid.from_spec` (which calls :meth:`ModelSpec.load`), so a
 process on another machine loads exactly what the command named. Invalid values raise
 :class:`~rapidspec.errors.RapidspecError` on construction.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rapidspec.models.backend import DRAFTER_BACKENDS, DRAFTER_PREFILLS
+from rapidspec.config import DRAFTER_BACKENDS
+from rapidspec.models.backend import DRAFTER_PREFILLS
 from rapidspec.errors import RapidspecError
 from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.models.loading import RUNTIMES

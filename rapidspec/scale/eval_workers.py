@@ -24,10 +24,12 @@ DEFAULT_WORKER_RESOURCES = {"num_cpus": 1}
 
 
 class EvalActor:
-    """One engine on a Ray worker process: loads the models of ``spec`` (a ModelSpec) once."""
+    """One engine on a Ray worker process: loads the models of ``spec`` (an EngineSpec) once, and builds its
+    engine from the whole spec (every drafter option, retrieval) for each run."""
 
     def __init__(self, spec) -> None:
-        self.target, self.drafter = spec.load()
+        self.spec = spec
+        self.target, self.drafter = spec.models.load()
         self.runner: ItemRunner | None = None
 
     def max_context(self) -> int:
@@ -41,7 +43,7 @@ class EvalActor:
 
     def prepare(self, options: RunOptions) -> dict:
         """Make the engine's runner for ``options``; the run's configuration (the results file's identity)."""
-        self.runner = ItemRunner(self.target, self.drafter, options)
+        self.runner = ItemRunner(self.spec, self.target, self.drafter, options)
         return self.runner.config
 
     def run(self, unit: list[tuple[EvalItem, object]]) -> list[tuple[EvalItem, dict]]:

@@ -36,7 +36,7 @@ DEFAULT_REPLICA_RESOURCES = {"num_cpus": 1}
 
 
 class RapidspecReplica:
-    """One replica: the engine of ``spec`` (a ModelSpec) behind the app of ``config`` (a ServerConfig)."""
+    """One replica: the engine of ``spec`` (an EngineSpec) behind the app of ``config`` (a ServerConfig)."""
 
     def __init__(self, spec, config) -> None:
         from ray import serve
@@ -45,7 +45,7 @@ class RapidspecReplica:
         from rapidspec.runtime.threads import helper_thread
 
         helper_thread()  # the worker's engine thread computes (rapidspec.runtime.threads)
-        self.engine = Rapid.from_spec(spec, config.retrieval)
+        self.engine = Rapid.from_spec(spec)
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
 
@@ -99,7 +99,7 @@ def deploy(spec, config, replicas: int, resources: dict | None = None,
 
 def serve_replicas(spec, config, replicas: int, address: str | None,
                    resources: dict | None, host: str, port: int) -> int:
-    """``rapidspec serve --replicas N``: deploy the engines of ``spec`` (a ModelSpec), then serve until SIGTERM or Ctrl-C."""
+    """``rapidspec serve --replicas N``: deploy the engines of ``spec`` (an EngineSpec), then serve until SIGTERM or Ctrl-C."""
     if port == 0:
         raise RapidspecError("--replicas needs a --port (Ray Serve's proxy does not pick a free one)")
     if address is None:  # the local instance's proxy answers its own errors with OpenAI's body

@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rapidspec.config import MAX_ETA, MAX_TEMPERATURE, DecodeConfig
+from rapidspec.config import (DRAFTER_BACKENDS, DRAFTER_STARTS, GAMMA_SCHEDULES, MAX_ETA, MAX_TEMPERATURE, MODES, RESIDUALS,
+                              TRUNCATIONS, DecodeConfig)
 from rapidspec.errors import RapidspecError
 from rapidspec.grammar import Grammar
 from rapidspec.grammar.tools import ToolChoice
@@ -133,8 +134,6 @@ class GenerationRequest(RequestBody):
     prompt_cache_key: str | None = None  # with user, what keeps a conversation on one replica (scale.affinity)
     metadata: dict[str, Any] | None = None
     store: bool | None = None
-    frequency_penalty: float | None = Field(default=None, ge=0, le=0)
-    presence_penalty: float | None = Field(default=None, ge=0, le=0)
     response_format: dict[str, Any] | None = None
     # OpenAI fields refused when used (UNSUPPORTED)
     functions: list[Any] | None = None
@@ -144,21 +143,24 @@ class GenerationRequest(RequestBody):
     modalities: Any = None
     prediction: Any = None
     # RAPID (DecodeConfig)
-    mode: Literal["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"] | None = None
+    mode: Literal[MODES] | None = None  # type: ignore[valid-type]
     eta: float | None = Field(default=None, ge=0, le=MAX_ETA)
     gamma: int | None = Field(default=None, ge=1)
-    gamma_schedule: Literal["auto", "constant", "heuristic", "cost"] | None = None
+    gamma_schedule: Literal[GAMMA_SCHEDULES] | None = None  # type: ignore[valid-type]
     max_gamma: int | None = Field(default=None, ge=1)
-    drafter_start: Literal["auto", "first"] | None = None
+    drafter_start: Literal[DRAFTER_STARTS] | None = None  # type: ignore[valid-type]
     draft_confidence: float | None = Field(default=None, ge=0, lt=1)
     top_k: int | None = Field(default=None, ge=0)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)  # OpenAI's, along drafted paths too
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)  # vLLM's and transformers'
     draft_gate: float | None = Field(default=None, ge=0, le=1)
-    residual: Literal["exact", "paper"] | None = None
+    residual: Literal[RESIDUALS] | None = None  # type: ignore[valid-type]
     ignore_eos: bool | None = None
-    truncate: Literal["middle", "error"] | None = None
+    truncate: Literal[TRUNCATIONS] | None = None  # type: ignore[valid-type]
     sink_tokens: int | None = Field(default=None, ge=0)
     streaming_tokens: int | None = Field(default=None, ge=1)
-    drafter_backend: Literal["auto", "torch", "llama.cpp"] | None = None
+    drafter_backend: Literal[DRAFTER_BACKENDS] | None = None  # type: ignore[valid-type]
     # where the drafter's context comes from (RetrievalConfig and the conversation)
     documents: list[str | dict[str, Any]] | None = None
     query: str | None = None

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
-from rapidspec.drafting.eta_default import resolve_eta
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
 from rapidspec.runtime.threads import helper_thread
@@ -50,7 +49,7 @@ class ServerState:
         self.drain = Drain()  # begun on SIGTERM (rapidspec.server.http.DrainingServer)
         self._retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()
         self._retrievers_lock = threading.Lock()
-        self.default_eta, self.eta_reason = resolve_eta(config.decode.with_(mode="rapid"), engine.drafter_relation)
+        self.default_eta, self.eta_reason = engine.resolve(config.decode.with_(mode="rapid"))
 
     def check_model(self, name: str | None) -> None:
         """A request naming another model than the one served is a 404 (as OpenAI answers)."""

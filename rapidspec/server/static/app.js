@@ -125,6 +125,8 @@ function requestBody(mode) {
     max_tokens: number("max-tokens"), temperature: number("temperature"),
     eta: mode === "rapid" ? number("eta") : undefined, gamma: number("gamma"),
     retrieval: $("retrieval").value || undefined, budget_tokens: number("budget"),
+    repetition_penalty: number("repetition-penalty"), frequency_penalty: number("frequency-penalty"),
+    presence_penalty: number("presence-penalty"),
   };
   if (docs.length) body.documents = docs;
   if ($("logprobs").checked) body.logprobs = true;

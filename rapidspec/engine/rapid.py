@@ -1,6 +1,6 @@
 """The RAPID engine: one generator that drafts, verifies and streams tokens.
 
-:meth:`Rapid.decode` is the only decode loop of the project; ``stream`` (a
+:meth:`Rapid.decode` runs the only decode loop of the project (:func:`.rounds.run_rounds`); ``stream`` (a
 document and a question), ``stream_chat`` (a conversation), the CLI, the
 server, evaluation and benchmarks all consume it. Prompts come from :mod:`rapidspec.prompts` and
 :mod:`rapidspec.conversation`; target caches are reused through :mod:`rapidspec.runtime.prefix_cache`;
@@ -16,7 +16,7 @@ each generation's drafter comes from :mod:`rapidspec.drafting.factory` (the mode
 
 A grammar (``config.grammar``, :mod:`rapidspec.grammar`) masks the drafter's logits in 2 and the
 target's rows in 3 alike, and follows the committed tokens in 5; the per-round state is
-:class:`~rapidspec.drafting.rounds.Rounds`. Modes ``lc`` and ``rag`` have no drafter: every round is a
+:class:`~.rounds.Rounds`; a request's eta default and gamma schedule are decided once (:mod:`.defaults`). Modes ``lc`` and ``rag`` have no drafter: every round is a
 plain step. Caches come from
 :mod:`rapidspec.runtime` (the KV-cache protocol of :mod:`rapidspec.runtime.protocol`).
 """
@@ -33,24 +33,25 @@ import torch
 from rapidspec import sampling
 from rapidspec.config import DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
-from rapidspec.drafting import NO_PROPOSAL
 from rapidspec.drafting.calibration import CostBook, EngineCosts
-from rapidspec.drafting.eta_default import EtaWarnings, resolve_eta
+from rapidspec.drafting.eta_default import EtaWarnings
 from rapidspec.drafting.factory import DrafterFactory, drop_started
 from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
 from rapidspec.drafting.join import AcceptanceMemory, DrafterJoin
-from rapidspec.drafting.rounds import Rounds, sync as device_sync
 from rapidspec.errors import RapidspecError
-from rapidspec.grammar import GrammarTokens, apply_mask
+from rapidspec.engine.defaults import resolve
+from rapidspec.engine.rounds import Rounds, run_rounds, sync as device_sync
+from rapidspec.engine.spec import DEFAULT_PREFILL_CHUNK_TOKENS, EngineSpec
+from rapidspec.grammar import GrammarTokens
 from rapidspec.grammar.tools import ToolChoice, template_tokenizer, with_tool_grammar
 from rapidspec.models.vocabulary import eos_token_ids
 from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
+from rapidspec.penalties import Penalties
 from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts, with_streaming_drafter
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB, GIB, PrefixCache
 from rapidspec.stats import GenerationStats
-from rapidspec.text_stream import TextAssembler, cut_answer
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class Rapid:
     """
 
     def __init__(self, target, drafter=None, retrieval=None, template: PromptTemplate | None = None,
-                 prefill_chunk_tokens: int = 2048, reuse_document_cache: bool = True,
+                 prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS, reuse_document_cache: bool = True,
                  prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB, drafter_backend: str = "auto",
                  drafter_threads: int | None = None, drafter_prefill: str = "auto", drafter_gguf: str = "auto") -> None:
         from rapidspec.retrieval import RetrievalConfig, Retriever
@@ -100,13 +101,21 @@ class Rapid:
         self.acceptance = AcceptanceMemory()  # earlier answers' acceptance: the drafter's start decision reads it
 
     @classmethod
-    def from_spec(cls, spec, retrieval=None, reuse_document_cache: bool = True) -> "Rapid":
-        """An engine over the models of ``spec`` (a :class:`~rapidspec.models.spec.ModelSpec`), loaded now."""
-        target, drafter = spec.load()
-        return cls(target, drafter, retrieval=retrieval, reuse_document_cache=reuse_document_cache,
-                   prefix_cache_gib=spec.prefix_cache_gib, drafter_backend=spec.drafter_backend,
-                   drafter_threads=spec.drafter_threads, drafter_prefill=spec.drafter_prefill,
-                   drafter_gguf=spec.drafter_gguf)
+    def from_spec(cls, spec: EngineSpec, loaded: tuple | None = None) -> "Rapid":
+        """The engine of ``spec`` (an :class:`~rapidspec.engine.spec.EngineSpec`): the way every command, the
+        server, its replicas, eval and bench build one. ``loaded``: (target, drafter) already loaded from
+        ``spec.models`` (an eval actor loads once and builds an engine per run); None loads them now."""
+        models = spec.models
+        target, drafter = loaded if loaded is not None else models.load()
+        return cls(target, drafter, retrieval=spec.retrieval, prefill_chunk_tokens=spec.prefill_chunk_tokens,
+                   reuse_document_cache=spec.reuse_document_cache, prefix_cache_gib=models.prefix_cache_gib,
+                   drafter_backend=models.drafter_backend, drafter_threads=models.drafter_threads,
+                   drafter_prefill=models.drafter_prefill, drafter_gguf=models.drafter_gguf)
+
+    def resolve(self, config: DecodeConfig) -> tuple[DecodeConfig, str | None]:
+        """``config`` with the eta default of this engine's drafter and a concrete gamma schedule, and where its
+        eta came from (:func:`rapidspec.engine.defaults.resolve`): what a generation runs and reports."""
+        return resolve(config, self.drafter_relation)
 
     @property
     def costs(self):
@@ -227,7 +236,7 @@ class Rapid:
         ends the answer with stop reason ``time`` (a RapidspecError when the prefill alone takes longer).
         """
         generation_started = time.perf_counter()
-        config, eta_source = resolve_eta(config, self.drafter_relation, self._eta_warnings)
+        config, eta_source = resolve(config, self.drafter_relation, self._eta_warnings)
         # what the engine holds when the generation starts: the drafter's plan reads this, not later changes
         acceptance, kept = self.acceptance.estimates(config.max_gamma), self.drafting.kept_tokens(config)
         stats = GenerationStats.starting(config, prompts)
@@ -241,6 +250,7 @@ class Rapid:
         grammar = (None if config.grammar is None  # before any work; ignore_eos: the answer ends where the grammar does
                    else self.grammar_tokens.start(config.grammar, eos_only_at_end=config.ignore_eos))
         stop_tokens = frozenset() if config.ignore_eos and grammar is None else self.eos_token_ids
+        penalties = Penalties.of(config, prompts.target_ids, self.vocab_size, target_device)
 
         def out_of_time() -> bool:
             return deadline is not None and time.monotonic() > deadline
@@ -271,11 +281,11 @@ class Rapid:
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
             run = Rounds(generation_started, config, sampling.SamplingParams.of(config), stats, generator, target_cache,
                          target_seq, None, None, stop_tokens, profile,
-                         self.vocab_size, out_of_time, grammar, join=join, fixed_schedule=schedule)
+                         self.vocab_size, out_of_time, grammar, join=join, fixed_schedule=schedule, penalties=penalties)
             try:
                 if config.drafter_start == "first":
                     run.prepare_drafter_now(new_schedule)
-                yield from self._decode(run, prompts, observer)
+                yield from run_rounds(run, prompts, self.tokenizer, observer)
                 consistent = True
             except GeneratorExit:
                 consistent = True
@@ -320,77 +330,3 @@ class Rapid:
             if tick is not None:
                 yield tick
         return cache
-
-    def _decode(self, run: Rounds, prompts: PromptPair, observer) -> Iterator[StreamChunk]:
-        """Steps 2-5 until the answer ends, then the final chunk with the output."""
-        config, stats, cache, seq = run.config, run.stats, run.target_cache, run.target_seq
-        prompt_length = len(seq)
-        assembler = TextAssembler(self.tokenizer, config.stop)
-        started = time.perf_counter()
-        while True:
-            remaining = config.max_new_tokens - (len(seq) - prompt_length)
-            if len(seq) > prompt_length:  # the drafter's preparation: one bounded piece between two rounds
-                run.prepare_drafter(prompt_length, new_schedule)
-            drafter = run.drafter
-            # 2 draft
-            t0 = time.perf_counter()
-            requested = 0 if drafter is None else run.schedule.next_drafts()
-            k = min(requested, remaining - 1)
-            proposal = (NO_PROPOSAL if drafter is None
-                        else drafter.propose(k, config, run.generator, run.stop_tokens, run.grammar))
-            run.wait_for_drafter()
-            # 3 verify: one target forward over [pending, x_1..x_k] (a grammar masks each row as it masked the drafts)
-            t1 = time.perf_counter()
-            fed = seq[cache.length :] + proposal.tokens
-            target_logits = cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, : run.vocab]
-            if run.grammar is not None:
-                target_logits = apply_mask(target_logits, run.grammar.masks(proposal.tokens))
-            if run.sync:
-                device_sync(cache.device)
-            # 4 accept; with eta > 0 and every draft accepted, p^ at k + 1 needs the drafter's row there
-            t2 = time.perf_counter()
-            verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, run.params, run.generator)
-            # a schedule asking for 0 drafts asks for a plain step: the token follows p (no drafter forward)
-            bonus_row, asked = None, verdict.next_token is None and requested > 0
-            if verdict.next_token is None:
-                bonus_row = drafter.bonus_row(config, run.stop_tokens, run.sync, run.grammar) if asked else None
-                next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, run.params, run.generator)
-                verdict = sampling.Verdict(verdict.accepted, next_token)
-            measured = run.record_round(len(proposal.tokens), verdict.accepted, proposal, asked, (t0, t1, t2), len(fed))
-            # 5 commit: stop at EOS, a stop string, a complete grammar and max_new_tokens, then roll back the caches
-            emitted, finished = cut_answer(proposal.tokens[: verdict.accepted] + [verdict.next_token], remaining,
-                                           run.stop_tokens)
-            text, stopped = assembler.add(emitted)
-            if stopped:
-                emitted, finished = emitted[: assembler.kept], "stop"  # no tokens after the stop string
-            if run.grammar is not None:
-                run.grammar.commit(emitted)
-                finished = finished or ("stop" if run.grammar.finished else None)
-            if not finished and run.out_of_time():
-                finished = "time"
-            if finished and not stopped:
-                text += assembler.flush()
-            logprobs = run.logprobs_of(target_logits, proposal.rows, bonus_row, emitted)
-            seq.extend(emitted)
-            cache.crop(min(cache.length, len(seq) - 1))
-            if drafter is not None:
-                drafter.commit(emitted)
-            if observer is not None:
-                observer(cache, seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
-            if emitted and not stats.time_to_first_token:
-                stats.time_to_first_token = time.perf_counter() - run.started
-            if text or emitted:
-                yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs, round=measured)
-            if finished:
-                break
-        device_sync(cache.device)
-        stats.decode_seconds = time.perf_counter() - started - run.prepare_seconds
-        stats.new_tokens = len(seq) - prompt_length
-        stats.stop_reason = finished
-        generated = tuple(seq[prompt_length:])
-        prompts = run.join.prompts  # with the drafter's prompt and retrieval once they were prepared
-        if run.drafter is not None:
-            assert tuple(run.drafter.sequence[len(prompts.drafter_ids) :]) == generated
-        output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
-                                  None if config.logprobs is None else tuple(run.logprobs))
-        yield StreamChunk(text="", token_ids=(), output=output)

@@ -1,0 +1,202 @@
+"""The decode loop and what its rounds share: settings, caches, drafter, schedule, grammar and what they gather.
+
+:meth:`rapidspec.Rapid.decode` prefills, makes one :class:`Rounds` per generation and runs
+:func:`run_rounds` over it: 2 draft, 3 verify, 4 accept, 5 commit, round after round, until the answer ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from rapidspec import sampling
+from rapidspec.config import DecodeConfig
+from rapidspec.drafting import NO_PROPOSAL
+from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
+from rapidspec.grammar import apply_mask
+from rapidspec.logprobs import round_logprobs
+from rapidspec.outputs import GenerationOutput, StreamChunk
+from rapidspec.stats import GenerationStats, RoundRecord
+from rapidspec.text_stream import TextAssembler, cut_answer
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device`` (CUDA runs asynchronously; CPU needs nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Rounds:
+    """What the rounds of one generation share: its settings, caches, drafter, schedule and what it gathers.
+
+    ``drafter`` and ``schedule`` are None until the drafter joins (:meth:`prepare_drafter`, :mod:`.join`).
+    """
+
+    started: float  # time.perf_counter() when the generation started
+    config: DecodeConfig
+    params: sampling.SamplingParams
+    stats: GenerationStats
+    generator: torch.Generator
+    target_cache: object
+    target_seq: list[int]
+    drafter: object | None
+    schedule: GammaSchedule | None
+    stop_tokens: frozenset[int]
+    sync: bool  # wait for the devices around each step (profiling: exact times)
+    vocab: int
+    out_of_time: Callable[[], bool]
+    grammar: object | None = None  # a rapidspec.grammar.GrammarState when the answer is constrained
+    join: object | None = None  # the drafter's preparation (rapidspec.drafting.join.DrafterJoin)
+    fixed_schedule: GammaSchedule | None = None  # the caller's schedule, used once the drafter joins
+    penalties: object | None = None  # a rapidspec.penalties.Penalties when the config asks for any
+    prepare_seconds: float = 0.0  # time between rounds spent preparing the drafter (retrieval, prefill, calibration)
+    logprobs: list = field(default_factory=list)
+
+    def prepare_drafter(self, prompt_length: int, new_schedule) -> None:
+        """One bounded piece of the drafter's preparation after a round (:meth:`~.join.DrafterJoin.between_rounds`);
+        on its join the drafter and a schedule over the calibrated costs take part in the next rounds. Its time
+        counts as retrieval or drafter prefill, not decoding."""
+        if self.drafter is not None or self.join is None or self.join.done:
+            return
+        started, retrieval_before = time.perf_counter(), self.stats.retrieval_seconds
+        drafter = self.join.between_rounds(self.target_cache, self.target_seq, self.target_seq[prompt_length:])
+        if drafter is not None:
+            self._joined(drafter, len(self.target_seq) - prompt_length, new_schedule)
+        seconds = time.perf_counter() - started
+        self.prepare_seconds += seconds
+        self.stats.drafter_prefill_seconds += max(0.0, seconds - (self.stats.retrieval_seconds - retrieval_before))
+
+    def prepare_drafter_now(self, new_schedule) -> None:
+        """``drafter_start="first"``: retrieval and the drafter's prefill before the first round (counted as drafter
+        prefill; with a drafter prefilling beside the target's, the wait after it)."""
+        started = time.perf_counter()
+        drafter = self.join.now(self.target_cache, self.target_seq)
+        if drafter is not None:
+            self._joined(drafter, 0, new_schedule)
+        self.stats.drafter_prefill_seconds = time.perf_counter() - started
+
+    def _joined(self, drafter, after_tokens: int, new_schedule) -> None:
+        """The drafter takes part from the next round, with the caller's schedule or one over the calibrated costs."""
+        if self.sync:
+            sync(drafter.device)
+        self.drafter, self.vocab = drafter, drafter.vocab_size
+        self.schedule = self.fixed_schedule or new_schedule(self.config, self.join.step_costs)
+        self.stats.drafter_joined_at = after_tokens
+        self.stats.drafter_join_seconds = time.perf_counter() - self.started
+
+    def wait_for_drafter(self) -> None:
+        if self.sync and self.drafter is not None:
+            sync(self.drafter.device)
+
+    def record_round(self, drafted: int, accepted: int, proposal, asked_bonus: bool, times: tuple,
+                     fed: int) -> RoundRecord:
+        """The round as measured (the bonus row's time is drafting time), counted in the statistics and the gamma
+        schedule when the generation drafts (without a drafter every round is a plain step, counted nowhere)."""
+        t0, t1, t2 = times
+        if self.drafter is None:
+            return RoundRecord(0, 0, 0.0, 0, t2 - t1, time.perf_counter() - t2, fed)
+        if self.sync:
+            sync(self.target_cache.device)
+        bonus = self.drafter.bonus_seconds if asked_bonus else 0.0
+        measured = RoundRecord(drafted, accepted, t1 - t0 + bonus, proposal.forwards + int(asked_bonus), t2 - t1,
+                               time.perf_counter() - t2 - bonus, fed, proposal.caught_up)
+        self.stats.add_round(measured)
+        self.schedule.record(measured)
+        return measured
+
+    def logprobs_of(self, target_logits, draft_rows, bonus_row, emitted: list[int]) -> tuple:
+        """The log-probabilities of a round's emitted tokens when the config asks for them, kept for the output."""
+        if self.config.logprobs is None or not emitted:
+            return ()
+        out = round_logprobs(target_logits, draft_rows, bonus_row, emitted, self.params, self.config.logprobs,
+                             self.vocab)
+        self.logprobs.extend(out)
+        return out
+
+
+def run_rounds(run: Rounds, prompts, tokenizer, observer=None) -> Iterator[StreamChunk]:
+    """Steps 2-5 of :meth:`rapidspec.Rapid.decode` until the answer ends, then the final chunk with the output.
+
+    ``prompts``: the generation's :class:`~rapidspec.prompts.PromptPair`; ``tokenizer`` decodes the answer;
+    ``observer`` as in :meth:`~rapidspec.Rapid.decode`.
+    """
+    config, stats, cache, seq = run.config, run.stats, run.target_cache, run.target_seq
+    prompt_length = len(seq)
+    assembler = TextAssembler(tokenizer, config.stop)
+    started = time.perf_counter()
+    while True:
+        remaining = config.max_new_tokens - (len(seq) - prompt_length)
+        if len(seq) > prompt_length:  # the drafter's preparation: one bounded piece between two rounds
+            run.prepare_drafter(prompt_length, new_schedule)
+        drafter = run.drafter
+        # 2 draft
+        t0 = time.perf_counter()
+        requested = 0 if drafter is None else run.schedule.next_drafts()
+        k = min(requested, remaining - 1)
+        proposal = (NO_PROPOSAL if drafter is None
+                    else drafter.propose(k, config, run.generator, run.stop_tokens, run.grammar, run.penalties))
+        run.wait_for_drafter()
+        # 3 verify: one target forward over [pending, x_1..x_k] (a grammar masks each row as it masked the drafts)
+        t1 = time.perf_counter()
+        fed = seq[cache.length :] + proposal.tokens
+        target_logits = cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, : run.vocab]
+        if run.grammar is not None:
+            target_logits = apply_mask(target_logits, run.grammar.masks(proposal.tokens))
+        if run.penalties is not None:  # each row counts the drafts before it, as the drafter's rows did
+            target_logits = run.penalties.rows(target_logits, proposal.tokens)
+        if run.sync:
+            sync(cache.device)
+        # 4 accept; with eta > 0 and every draft accepted, p^ at k + 1 needs the drafter's row there
+        t2 = time.perf_counter()
+        verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, run.params, run.generator)
+        # a schedule asking for 0 drafts asks for a plain step: the token follows p (no drafter forward)
+        bonus_row, asked = None, verdict.next_token is None and requested > 0
+        if verdict.next_token is None:
+            bonus_row = (drafter.bonus_row(config, run.stop_tokens, run.sync, run.grammar, run.penalties) if asked
+                         else None)
+            next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, run.params, run.generator)
+            verdict = sampling.Verdict(verdict.accepted, next_token)
+        measured = run.record_round(len(proposal.tokens), verdict.accepted, proposal, asked, (t0, t1, t2), len(fed))
+        # 5 commit: stop at EOS, a stop string, a complete grammar and max_new_tokens, then roll back the caches
+        emitted, finished = cut_answer(proposal.tokens[: verdict.accepted] + [verdict.next_token], remaining,
+                                       run.stop_tokens)
+        text, stopped = assembler.add(emitted)
+        if stopped:
+            emitted, finished = emitted[: assembler.kept], "stop"  # no tokens after the stop string
+        if run.grammar is not None:
+            run.grammar.commit(emitted)
+            finished = finished or ("stop" if run.grammar.finished else None)
+        if run.penalties is not None:
+            run.penalties.commit(emitted)
+        if not finished and run.out_of_time():
+            finished = "time"
+        if finished and not stopped:
+            text += assembler.flush()
+        logprobs = run.logprobs_of(target_logits, proposal.rows, bonus_row, emitted)
+        seq.extend(emitted)
+        cache.crop(min(cache.length, len(seq) - 1))
+        if drafter is not None:
+            drafter.commit(emitted)
+        if observer is not None:
+            observer(cache, seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
+        if emitted and not stats.time_to_first_token:
+            stats.time_to_first_token = time.perf_counter() - run.started
+        if text or emitted:
+            yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs, round=measured)
+        if finished:
+            break
+    sync(cache.device)
+    stats.decode_seconds = time.perf_counter() - started - run.prepare_seconds
+    stats.new_tokens = len(seq) - prompt_length
+    stats.stop_reason = finished
+    generated = tuple(seq[prompt_length:])
+    prompts = run.join.prompts  # with the drafter's prompt and retrieval once they were prepared
+    if run.drafter is not None:
+        assert tuple(run.drafter.sequence[len(prompts.drafter_ids) :]) == generated
+    output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
+                              None if config.logprobs is None else tuple(run.logprobs))
+    yield StreamChunk(text="", token_ids=(), output=output)

@@ -1,0 +1,42 @@
+"""What an engine is built from, decided once: :class:`EngineSpec`.
+
+The command line builds one from its options, one to one
+(:func:`rapidspec.cli.options.engine_spec`); every command, the server, its
+Ray Serve replicas, ``rapidspec eval`` (local and on Ray actors) and
+``rapidspec bench`` pass it to :meth:`rapidspec.Rapid.from_spec`, the one way
+they build an engine, so no option is dropped on the way and a process on
+another machine builds exactly what the command named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rapidspec.errors import RapidspecError
+from rapidspec.models.spec import ModelSpec
+from rapidspec.retrieval.config import RetrievalConfig
+
+#: Target prompt tokens per prefill forward.
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The models and every drafter option (``models``, a :class:`~rapidspec.models.spec.ModelSpec`:
+    target, drafter, dtype, device, quantization, runtime, drafter backend, threads, prefill, GGUF choice,
+    prefix-cache size), retrieval, whether the engine keeps caches for later prompts sharing a prefix
+    (``reuse_document_cache``) and the target's prefill chunk."""
+
+    models: ModelSpec = field(default_factory=ModelSpec)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    reuse_document_cache: bool = True
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.models, ModelSpec):
+            raise RapidspecError(f"models must be a ModelSpec, got {type(self.models).__name__}")
+        if not isinstance(self.retrieval, RetrievalConfig):
+            raise RapidspecError(f"retrieval must be a RetrievalConfig, got {type(self.retrieval).__name__}")
+        if isinstance(self.prefill_chunk_tokens, bool) or not isinstance(self.prefill_chunk_tokens, int) \
+                or self.prefill_chunk_tokens < 1:
+            raise RapidspecError(f"prefill_chunk_tokens must be an integer >= 1, got {self.prefill_chunk_tokens!r}")
