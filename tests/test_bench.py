@@ -138,6 +138,7 @@ def test_engine_must_not_reuse_document_cache(tiny_model):
         (["--sweep", "eta:1,2"], "sweep must look like"),
         (["--data", "/nonexistent/records.jsonl"], "data file not found"),
         (["--repeats", "0"], "repeats"),
+        (["--repetition-penalty", "1.1"], "hf-assisted would run without them"),
     ],
 )
 def test_cli_errors_exit_2_before_loading_a_model(argv, message, capsys):

@@ -108,6 +108,8 @@ def test_the_peer_load_sends_documents_inline_greedy_and_no_rapidspec_fields():
     sampled = peer_load(LoadConfig("http://127.0.0.1:1", extra_body={"temperature": 0.7})).body(request)
     assert sampled["temperature"] == 0.7
     assert config.body(request)["documents"] == ["doc"]  # rapidspec's own load is unchanged
+    with pytest.raises(RapidspecError, match="repetition_penalty cannot be compared with llama-server"):
+        peer_load(LoadConfig("http://127.0.0.1:1", extra_body={"repetition_penalty": 1.1}))
 
 
 def test_peer_config_checks_and_arguments(tmp_path):

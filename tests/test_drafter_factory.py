@@ -20,7 +20,7 @@ DOCUMENT = "The ferry leaves the harbour at nine. " * 40
                                             ("ragsd", ModelDrafter), ("rapid", ModelDrafter)])
 def test_the_factory_gives_each_mode_its_drafter_kind(tiny_model, mode, kind):
     engine = Rapid(tiny_model, drafter_backend="torch")
-    config = DecodeConfig(mode=mode, max_new_tokens=4, drafter_start="first")  # prompts with the drafter's
+    config, _ = engine.resolve(DecodeConfig(mode=mode, max_new_tokens=4, drafter_start="first"))  # with the drafter's prompt
     prompts = engine.document_prompts(DOCUMENT, "When does the ferry leave?", config)
     stats = GenerationStats.starting(config, prompts)
     drafter = engine.drafting.start(prompts, config, stats, torch.device("cpu"))

@@ -66,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     sweep = speed.parse_sweep(args.sweep) if args.sweep else None
     if args.repeats < 1:
         raise RapidspecError(f"--repeats must be >= 1, got {args.repeats}")
+    peers = [m for m in modes if m in (speed.HF_ASSISTED, speed.LLAMA_CPP)]
+    if peers and base.with_(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0) != base:
+        raise RapidspecError(f"the penalties apply to rapidspec's modes only; {', '.join(peers)} would run without them "
+                             "(give --modes without them)")
     lengths = speed.parse_lengths(args.lengths, max_context=1 << 30) if args.lengths else None
     if args.data and args.lengths:
         raise RapidspecError("--lengths applies to the demo document; --data records are used as they are")

@@ -34,6 +34,7 @@ from rapidspec.errors import RapidspecError
 
 #: Body fields llama-server understands as rapidspec does; the others of --extra-body are rapidspec's own.
 SHARED_FIELDS = frozenset({"temperature", "top_p", "seed", "stop", "model", "ignore_eos"})
+PENALTIES = frozenset({"frequency_penalty", "presence_penalty", "repetition_penalty"})
 CONTEXT_QUANTUM = 256
 SLOT_MARGIN_TOKENS = 64
 
@@ -92,5 +93,9 @@ def slot_context(tokenizer, requests: list[BenchRequest], answer_tokens: int) ->
 def peer_load(config: LoadConfig) -> LoadConfig:
     """The load for the peer: the same requests with the documents in the messages, greedy unless
     --extra-body says otherwise, and only the --extra-body fields llama-server shares."""
+    penalties = sorted(PENALTIES & set(config.extra_body))
+    if penalties:  # llama-server's count the last repeat_last_n tokens it accepted, not the prompt and answer
+        raise RapidspecError(f"{', '.join(penalties)} cannot be compared with llama-server (its penalties count "
+                             "another window of tokens); leave them out with --peer")
     shared = {k: v for k, v in config.extra_body.items() if k in SHARED_FIELDS}
     return replace(config, extra_body={"temperature": 0.0} | shared, inline_documents=True)
