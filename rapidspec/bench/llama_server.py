@@ -12,8 +12,11 @@ with CMake for this CPU (``GGML_NATIVE``) and builds the one target
 build may not run on another CPU); a cache folder that cannot keep it
 (read-only, full) is a one-line error, before the build where it can be
 told. ``$RAPIDSPEC_LLAMA_SERVER`` names a binary of your own instead.
-``python -m rapidspec.bench.llama_server`` builds it (the set-up runs it on
-CPU machines).
+``python -m rapidspec.bench.llama_server`` builds it (``make test``'s set-up
+runs it on CPU machines; ``make demo``'s does not), and so does the first
+``--peer llama.cpp`` that finds none: one line says so and about how long it
+takes, the stages' output goes to ``build.log`` beside the binary, and a
+failure is one line (the stage, its last line of output, the log's path).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHAR
                  "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF",
                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                  "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF")
+#: How long a build takes, for the line that announces one (measured on a 2-core machine, 2026-11-26).
+BUILD_TIME = "about 4.5 minutes on 2 cores"
 
 
 def installed_version() -> str:
@@ -87,8 +92,10 @@ def find_llama_server() -> Path | None:
 def build_llama_server(progress: Callable[[str], None] = logger.info, jobs: int | None = None) -> Path:
     """Build ``llama-server`` for this CPU from the installed llama-cpp-python's sdist; the cached binary's path.
 
-    ``progress`` gets one line per stage. Every failure is a RapidspecError
-    naming the stage and the end of its output.
+    ``progress`` gets one line per stage; every stage's output goes to
+    :func:`build_log_path`. Every failure is a one-line RapidspecError naming
+    the stage, its last line of output and the log. An existing build is
+    returned as it is.
     """
     version = installed_version()
     target = cached_binary_path(version)
@@ -100,29 +107,48 @@ def build_llama_server(progress: Callable[[str], None] = logger.info, jobs: int 
     if fault is not None:
         raise _cannot_keep(target, fault.strerror or str(fault))
     jobs = jobs or os.cpu_count() or 1
-    with tempfile.TemporaryDirectory(prefix="rapidspec-llama-server-") as work:
-        work_dir = Path(work)
-        progress(f"llama-server: fetching the {PACKAGE}=={version} source distribution with pip")
-        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-              f"{PACKAGE}=={version}", "-d", str(work_dir)], "pip download")
-        archives = sorted(work_dir.glob("*.tar.gz"))
-        if not archives:
-            raise RapidspecError(f"pip download gave no source archive of {PACKAGE}=={version}")
-        source = _extract_vendored(archives[0], work_dir / "src")
-        build = work_dir / "build"
-        progress(f"llama-server: configuring llama.cpp for this CPU (cmake, {source.name})")
-        _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS], "cmake configure")
-        progress(f"llama-server: compiling with {jobs} jobs (about 4.5 minutes on 2 cores)")
-        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], "cmake build")
-        built = next((p for p in build.rglob("llama-server") if p.is_file() and os.access(p, os.X_OK)), None)
-        if built is None:
-            raise RapidspecError(f"the build finished without a llama-server binary (in {build})")
-        # a temporary renamed into place: another process sees no binary or the whole one
-        if not cache_write(target, lambda partial: shutil.copy2(built, partial), "the llama-server build",
-                           "it is not kept"):
-            raise _cannot_keep(target, "see the warning above")
-    progress(f"llama-server: built {target}")
+    log_path = build_log_path(version)
+    try:
+        log_path.write_bytes(b"")  # appended to by this process and by each stage's (O_APPEND: in order)
+        with open(log_path, "a", encoding="utf-8") as log, \
+                tempfile.TemporaryDirectory(prefix="rapidspec-llama-server-") as work:
+            _build(Path(work), version, target, jobs, log, log_path, progress)
+    except (OSError, tarfile.TarError) as err:  # a full disk, an unreadable archive: one line, not a traceback
+        raise RapidspecError(f"llama-server build failed: {err} (the build's output: {log_path})") from None
     return target
+
+
+def build_log_path(version: str | None = None) -> Path:
+    """The build's output, kept beside the binary (written over by the next build)."""
+    return cached_binary_path(version).parent / "build.log"
+
+
+def _build(work_dir: Path, version: str, target: Path, jobs: int, log, log_path: Path,
+           progress: Callable[[str], None]) -> None:
+    def stage(line: str) -> None:
+        progress(line)
+        log.write(f"=== {line}\n")
+        log.flush()
+
+    stage(f"llama-server: fetching the {PACKAGE}=={version} source distribution with pip")
+    _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+          f"{PACKAGE}=={version}", "-d", str(work_dir)], "pip download", log, log_path)
+    archives = sorted(work_dir.glob("*.tar.gz"))
+    if not archives:
+        raise RapidspecError(f"pip download gave no source archive of {PACKAGE}=={version} (its output: {log_path})")
+    source = _extract_vendored(archives[0], work_dir / "src")
+    build = work_dir / "build"
+    stage(f"llama-server: configuring llama.cpp for this CPU (cmake, {source.name})")
+    _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS], "cmake configure", log, log_path)
+    stage(f"llama-server: compiling with {jobs} jobs ({BUILD_TIME})")
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], "cmake build", log, log_path)
+    built = next((p for p in build.rglob("llama-server") if p.is_file() and os.access(p, os.X_OK)), None)
+    if built is None:
+        raise RapidspecError(f"the build finished without a llama-server binary (its output: {log_path})")
+    # a temporary renamed into place: another process sees no binary or the whole one
+    if not cache_write(target, lambda partial: shutil.copy2(built, partial), "the llama-server build",
+                       "it is not kept"):
+        raise _cannot_keep(target, "see the warning above")
 
 
 def _cannot_keep(target: Path, reason: str) -> RapidspecError:
@@ -132,14 +158,23 @@ def _cannot_keep(target: Path, reason: str) -> RapidspecError:
 
 
 def llama_server_binary(build: bool = True, progress: Callable[[str], None] = logger.info) -> Path:
-    """The binary to run: :func:`find_llama_server`'s, else (``build``) a new build, else RapidspecError."""
+    """The binary to run: :func:`find_llama_server`'s, else (``build``) a new build, else RapidspecError.
+
+    A build on first use is announced with one line to ``progress`` (what and about how long); its stages go
+    to the build log only, and it ends with one line naming the binary.
+    """
     found = find_llama_server()
     if found is not None:
         return found
     if not build:
         raise RapidspecError(f"llama-server is not built: run `python -m rapidspec.bench.llama_server` "
-                             f"(about 4.5 minutes on 2 cores) or set ${ENV_BINARY}")
-    return build_llama_server(progress)
+                             f"({BUILD_TIME}) or set ${ENV_BINARY}")
+    version = installed_version()
+    progress(f"llama-server is not built yet: building it once for this CPU from {PACKAGE} {version}'s "
+             f"sources ({BUILD_TIME}; its output: {build_log_path(version)})")
+    path = build_llama_server(logger.info)
+    progress(f"llama-server: built {path}")
+    return path
 
 
 def _extract_vendored(archive: Path, into: Path) -> Path:
@@ -155,11 +190,31 @@ def _extract_vendored(archive: Path, into: Path) -> Path:
     return found
 
 
-def _run(command: list[str], stage: str) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, errors="replace")
+def _run(command: list[str], stage: str, log, log_path: Path) -> None:
+    """Run one stage, its output appended to ``log``; a failure is a one-line RapidspecError."""
+    log.write(f"$ {' '.join(command)}\n")
+    log.flush()
+    start = log.tell()
+    try:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    except OSError as err:
+        raise RapidspecError(f"llama-server build, {stage} could not start: {err}") from None
     if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
-        raise RapidspecError(f"llama-server build, {stage} failed (exit code {done.returncode}):\n{tail}")
+        log.flush()
+        raise RapidspecError(f"llama-server build, {stage} failed (exit code {done.returncode}): "
+                             f"{_last_line(log_path, start) or 'no output'} (the whole output: {log_path})")
+
+
+def _last_line(path: Path, start: int = 0, limit: int = 200) -> str:
+    """The last non-empty line of ``path`` from byte ``start`` on, shortened to ``limit`` characters ('' if none)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(start)
+            lines = file.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    return last if len(last) <= limit else last[:limit - 3] + "..."
 
 
 def main() -> int:

@@ -172,12 +172,13 @@ def _peer_config(args: argparse.Namespace, config, requests):
         extra = tuple(shlex.split(args.peer_args))
     except ValueError as error:
         raise RapidspecError(f"--peer-args: {error}") from None
+    # found (or built on first use, with one line saying so) before the tokenizer's load: its errors come first
+    err = Console(stderr=True)
+    binary = llama_server_binary(progress=lambda line: err.print(line, soft_wrap=True, markup=False, highlight=False))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     context = slot_context(tokenizer, requests, max(config.answer_lengths))
-    err = Console(stderr=True)
-    binary = llama_server_binary(progress=lambda line: err.print(line, soft_wrap=True))
     return PeerConfig(binary=binary, gguf=gguf, threads=threads, parallel=parallel, slot_context=context,
                       extra_args=extra, start_timeout_s=args.server_timeout)
 
