@@ -14,11 +14,12 @@ each generation's drafter comes from :mod:`rapidspec.drafting.factory` (the mode
     4 accept    sampling.verify: accepted prefix, then the recovered or bonus token
     5 commit    both caches roll back to the committed tokens (minus the pending last one)
 
-A grammar (``config.grammar``, :mod:`rapidspec.grammar`) masks the drafter's logits in 2 and the
-target's rows in 3 alike, and follows the committed tokens in 5; the per-round state is
-:class:`~.rounds.Rounds`; a request's eta default and gamma schedule are decided once (:mod:`.defaults`). Modes ``lc`` and ``rag`` have no drafter: every round is a
-plain step. Caches come from
-:mod:`rapidspec.runtime` (the KV-cache protocol of :mod:`rapidspec.runtime.protocol`).
+A grammar (``config.grammar``, :mod:`rapidspec.grammar`) masks, and the penalties
+(:mod:`rapidspec.penalties`) change, the drafter's logits in 2 and the target's rows in 3 alike, and
+follow the committed tokens in 5; the per-round state is :class:`~.rounds.Rounds`. A request's eta
+default and gamma schedule are decided once (:mod:`.defaults`). Modes ``lc`` and ``rag`` have no
+drafter: every round is a plain step. Caches come from :mod:`rapidspec.runtime` (the KV-cache
+protocol of :mod:`rapidspec.runtime.protocol`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_
 from rapidspec.drafting.calibration import CostBook, EngineCosts
 from rapidspec.drafting.eta_default import EtaWarnings
 from rapidspec.drafting.factory import DrafterFactory, drop_started
-from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
+from rapidspec.drafting.gamma_schedule import GammaSchedule
 from rapidspec.drafting.join import AcceptanceMemory, DrafterJoin
 from rapidspec.errors import RapidspecError
 from rapidspec.engine.defaults import resolve
@@ -284,7 +285,7 @@ class Rapid:
                          self.vocab_size, out_of_time, grammar, join=join, fixed_schedule=schedule, penalties=penalties)
             try:
                 if config.drafter_start == "first":
-                    run.prepare_drafter_now(new_schedule)
+                    run.prepare_drafter_now()
                 yield from run_rounds(run, prompts, self.tokenizer, observer)
                 consistent = True
             except GeneratorExit:

@@ -33,7 +33,7 @@ def sync(device: torch.device) -> None:
 class Rounds:
     """What the rounds of one generation share: its settings, caches, drafter, schedule and what it gathers.
 
-    ``drafter`` and ``schedule`` are None until the drafter joins (:meth:`prepare_drafter`, :mod:`.join`).
+    ``drafter`` and ``schedule`` are None until the drafter joins (:meth:`prepare_drafter`, :mod:`rapidspec.drafting.join`).
     """
 
     started: float  # time.perf_counter() when the generation started
@@ -56,8 +56,8 @@ class Rounds:
     prepare_seconds: float = 0.0  # time between rounds spent preparing the drafter (retrieval, prefill, calibration)
     logprobs: list = field(default_factory=list)
 
-    def prepare_drafter(self, prompt_length: int, new_schedule) -> None:
-        """One bounded piece of the drafter's preparation after a round (:meth:`~.join.DrafterJoin.between_rounds`);
+    def prepare_drafter(self, prompt_length: int) -> None:
+        """One bounded piece of the drafter's preparation after a round (:meth:`~rapidspec.drafting.join.DrafterJoin.between_rounds`);
         on its join the drafter and a schedule over the calibrated costs take part in the next rounds. Its time
         counts as retrieval or drafter prefill, not decoding."""
         if self.drafter is not None or self.join is None or self.join.done:
@@ -65,21 +65,21 @@ class Rounds:
         started, retrieval_before = time.perf_counter(), self.stats.retrieval_seconds
         drafter = self.join.between_rounds(self.target_cache, self.target_seq, self.target_seq[prompt_length:])
         if drafter is not None:
-            self._joined(drafter, len(self.target_seq) - prompt_length, new_schedule)
+            self._joined(drafter, len(self.target_seq) - prompt_length)
         seconds = time.perf_counter() - started
         self.prepare_seconds += seconds
         self.stats.drafter_prefill_seconds += max(0.0, seconds - (self.stats.retrieval_seconds - retrieval_before))
 
-    def prepare_drafter_now(self, new_schedule) -> None:
+    def prepare_drafter_now(self) -> None:
         """``drafter_start="first"``: retrieval and the drafter's prefill before the first round (counted as drafter
         prefill; with a drafter prefilling beside the target's, the wait after it)."""
         started = time.perf_counter()
         drafter = self.join.now(self.target_cache, self.target_seq)
         if drafter is not None:
-            self._joined(drafter, 0, new_schedule)
+            self._joined(drafter, 0)
         self.stats.drafter_prefill_seconds = time.perf_counter() - started
 
-    def _joined(self, drafter, after_tokens: int, new_schedule) -> None:
+    def _joined(self, drafter, after_tokens: int) -> None:
         """The drafter takes part from the next round, with the caller's schedule or one over the calibrated costs."""
         if self.sync:
             sync(drafter.device)
@@ -131,7 +131,7 @@ def run_rounds(run: Rounds, prompts, tokenizer, observer=None) -> Iterator[Strea
     while True:
         remaining = config.max_new_tokens - (len(seq) - prompt_length)
         if len(seq) > prompt_length:  # the drafter's preparation: one bounded piece between two rounds
-            run.prepare_drafter(prompt_length, new_schedule)
+            run.prepare_drafter(prompt_length)
         drafter = run.drafter
         # 2 draft
         t0 = time.perf_counter()
