@@ -101,3 +101,21 @@ def test_the_command_with_piped_input(tiny_model_dir):
     done = subprocess.run(command, input="Hello there\n/exit\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "you>" in done.stdout and "tok/s" in done.stdout
+
+
+def test_chat_and_demo_default_to_the_measured_frequency_penalty(monkeypatch):
+    """chat and demo answer with CHAT_FREQUENCY_PENALTY (measured: benchmarks/loops.py); generate keeps OpenAI's 0."""
+    from rapidspec.cli import chat, demo, generate
+    from rapidspec.cli.options import CHAT_FREQUENCY_PENALTY
+
+    seen = {}
+    for module in (chat, demo, generate):
+        monkeypatch.setattr(module, "run", lambda args, name=module.__name__: seen.setdefault(name, args) and 0)
+    for argv in (["chat"], ["demo"], ["generate", "--document", "x", "--question", "y"],
+                 ["chat", "--frequency-penalty", "0"]):
+        seen.clear()
+        main(argv)
+        (args,) = seen.values()
+        expected = 0.0 if argv[0] == "generate" or "--frequency-penalty" in argv else CHAT_FREQUENCY_PENALTY
+        assert args.frequency_penalty == expected, argv
+    assert CHAT_FREQUENCY_PENALTY > 0

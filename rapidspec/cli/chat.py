@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from rapidspec.cli.options import (
+    CHAT_FREQUENCY_PENALTY,
     add_decode_options,
     add_model_options,
     add_prefix_cache_option,
@@ -50,7 +51,7 @@ def register(subparsers) -> None:
     add_model_options(parser)
     add_decode_options(parser)
     add_retrieval_options(parser)
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, frequency_penalty=CHAT_FREQUENCY_PENALTY)  # answers loop less (options.py)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,8 @@ from rich.columns import Columns
 from rich.console import Console
 from rich.panel import Panel
 
-from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_engine
+from rapidspec.cli.options import (CHAT_FREQUENCY_PENALTY, add_decode_options, add_model_options, add_retrieval_options,
+                                   decode_config, load_engine)
 
 
 def register(subparsers) -> None:
@@ -29,7 +30,7 @@ def register(subparsers) -> None:
     add_retrieval_options(parser)
     # The drafter: llama.cpp on the built-in GGUF where it is installed (the fastest measured on CPU,
     # docs/speed.md), else torch with int8 weights.
-    parser.set_defaults(handler=run, max_new_tokens=48)
+    parser.set_defaults(handler=run, max_new_tokens=48, frequency_penalty=CHAT_FREQUENCY_PENALTY)
 
 
 def run(args: argparse.Namespace) -> int:

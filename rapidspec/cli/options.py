@@ -54,6 +54,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "to require it) or transformers' (default: %(default)s)")
 
 
+#: The frequency penalty of ``rapidspec chat`` and ``rapidspec demo``: on 40 chat-form LoCoMo questions to the built-in
+#: model (benchmarks/loops.py, docs/quality.md "Answers that loop"), 14 greedy answers looped without it and one
+#: with it; the other commands, the server and the Python API keep OpenAI's 0.
+CHAT_FREQUENCY_PENALTY = 0.5
+
+
 def add_decode_options(parser: argparse.ArgumentParser, modes: bool = True) -> None:
     group = parser.add_argument_group("decoding")
     if modes:
