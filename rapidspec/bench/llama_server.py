@@ -7,7 +7,7 @@ llama-cpp-python's source distribution vendors llama.cpp
 fetches that sdist of the installed version from the package index with pip
 (no other download: the web UI is neither built nor fetched), configures it
 with CMake for this CPU (``GGML_NATIVE``) and builds the one target
-``llama-server`` (about 4.5 minutes on 2 cores). The binary is cached under
+``llama-server`` (about 5 minutes on 2 idle cores). The binary is cached under
 ``$RAPIDSPEC_CACHE/llama-server/<version>-<cpu>`` (the CPU's flags: a native
 build may not run on another CPU); a cache folder that cannot keep it
 (read-only, full) is a one-line error, before the build where it can be
@@ -46,8 +46,9 @@ CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHAR
                  "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF",
                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                  "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF")
-#: How long a build takes, for the line that announces one (measured on a 2-core machine, 2026-11-26).
-BUILD_TIME = "about 4.5 minutes on 2 cores"
+#: How long a build takes, for the line that announces one (2-core AMD EPYC: 4.5 minutes idle as first measured;
+#: 10 and 14 minutes on 2026-11-26 while other processes kept the load at 2 to 6).
+BUILD_TIME = "about 5 minutes on 2 idle cores, 10 or more on busy ones"
 
 
 def installed_version() -> str:
