@@ -83,6 +83,8 @@ def test_every_route_passes_schemathesis_checks(api, server, method, path, mode)
         if usable:
             case.body |= {"messages": HI} if "messages" in case.body else {"prompt": "hi"}
             case.body = {k: v for k, v in case.body.items() if k not in REFUSED}
+            if case.body.get("model") is not None:
+                case.body["model"] = "tiny"  # a model the server does not serve is a 404, as OpenAI answers
         response = case.call(base_url=server, timeout=60)
         error = check(response.status_code, response.headers.get("content-type", [""])[0], response.content,
                       case.body)
