@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+
 def penalise(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, frequency: float, presence: float,
              repetition: float) -> torch.Tensor:
     """The penalised logits ([n, V]) of ``logits`` ([n, V]), row by row.
