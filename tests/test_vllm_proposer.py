@@ -1,0 +1,146 @@
+"""RAPID's vLLM proposer without vLLM: its prompt reading, options, step costs, and the calls vLLM makes.
+
+vLLM's own runs are in tests/test_vllm_offline.py (slow; they need `make vllm`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from rapidspec.conversation import Message, render, with_documents
+from rapidspec.errors import RapidspecError
+from rapidspec.vllm.costs import DecayedLine, StepClock
+from rapidspec.vllm.options import ENV_VARIABLE, ProposerOptions
+from rapidspec.vllm.prompt_reading import ChatLayout, read_prompt
+from rapidspec.vllm.proposer import RapidProposer
+
+CHATML = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a model.<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DOCUMENT = "\n\n".join(f"Section {i}. The keeper of gate {i} is named Ana{i} and guards {i * 7} sheep."
+                       for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(byte_tokenizer):
+    tokenizer = copy.deepcopy(byte_tokenizer)
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+@pytest.mark.parametrize("messages, documents", [
+    ([Message("user", "Who keeps gate 3?")], ()),
+    ([Message("system", "Be brief."), Message("user", "Hi"), Message("assistant", "Hello."),
+      Message("user", "Who keeps gate 3?")], ()),
+    ([Message("user", "Who keeps gate 3?")], (DOCUMENT,)),
+    ([Message("system", "Be brief."), Message("user", "Who keeps gate 3?")], ("One.", "Two.")),
+])
+def test_a_rendered_chat_reads_back_as_its_messages_and_documents(chat_tokenizer, messages, documents):
+    layout = ChatLayout.learn(chat_tokenizer)
+    ids = render(chat_tokenizer, with_documents(messages, documents) if documents else messages)
+    read = read_prompt(chat_tokenizer, layout, ids)
+    assert not read.raw
+    if documents:
+        assert read.documents == ("\n\n".join(documents),)
+        assert render(chat_tokenizer, with_documents(list(read.messages), read.documents)) == ids
+    else:
+        assert read.documents == ()
+        assert render(chat_tokenizer, list(read.messages)) == ids
+    assert read.messages[-1] == Message("user", "Who keeps gate 3?")
+
+
+def test_a_prompt_that_does_not_render_back_is_read_as_raw_text(chat_tokenizer, byte_tokenizer):
+    text = "A pasted text.\n\nWho keeps gate 3?"
+    layout = ChatLayout.learn(chat_tokenizer)
+    read = read_prompt(chat_tokenizer, layout, chat_tokenizer(text)["input_ids"])
+    assert read.raw and read.messages == (Message("user", text),)
+    assert ChatLayout.learn(byte_tokenizer) is None  # no chat template
+    assert read_prompt(byte_tokenizer, None, byte_tokenizer(text)["input_ids"]).raw
+
+
+def test_options_from_json_are_checked():
+    assert ProposerOptions.from_json(None) == ProposerOptions()
+    options = ProposerOptions.from_json('{"drafter": "builtin", "retrieval": {"budget_tokens": 512}}')
+    assert options.drafter == "builtin" and options.retrieval.budget_tokens == 512
+    for text, word in [("{", "not JSON"), ("[]", "JSON object"), ('{"eta": 1}', "'eta'"),
+                       ('{"retrieval": {"budget": 1}}', "'budget'"), ('{"schedule": "fast"}', "schedule"),
+                       ('{"drafter_threads": 0}', "drafter_threads"), ('{"drafter_backend": "vllm"}', "backend")]:
+        with pytest.raises(RapidspecError, match=word):
+            ProposerOptions.from_json(text)
+
+
+def test_the_step_cost_line_fits_base_and_slope():
+    line = DecayedLine()
+    for n in (1, 2, 4, 8, 1, 3):
+        line.add(n, 0.5 + 0.25 * n)
+    base, slope = line.fit()
+    assert base == pytest.approx(0.5) and slope == pytest.approx(0.25)
+    flat = DecayedLine()
+    for _ in range(3):
+        flat.add(5, 2.0)
+    assert flat.fit() == pytest.approx((2.0, 0.0))  # one x only: no slope
+    assert StepClock().costs().draft_step == 0.0  # nothing measured: drafting is free
+
+
+def greedy(model, ids: list[int], count: int) -> list[int]:
+    """``count`` greedy tokens after ``ids``, each from a forward over the whole sequence (no cache)."""
+    out = []
+    for _ in range(count):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.fixture
+def proposer(tiny_model_dir, tiny_model, monkeypatch):
+    monkeypatch.setenv(ENV_VARIABLE, json.dumps({"drafter_backend": "torch", "schedule": "constant",
+                                                 "retrieval": {"method": "bm25", "chunk_tokens": 128, "budget_tokens": 512}}))
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=3),
+        model_config=SimpleNamespace(max_model_len=4096, model=str(tiny_model_dir), tokenizer=str(tiny_model_dir),
+                                     get_vocab_size=lambda: len(tiny_model.tokenizer)),
+        device_config=SimpleNamespace(device=torch.device("cpu")))
+    return RapidProposer(config)
+
+
+def test_the_proposer_follows_requests_across_reordered_steps(proposer, tiny_model):
+    """Two requests, rows swapped every step, vLLM keeping some drafts and not others: each request's drafts
+    are always its drafter's greedy continuation of the drafter's prompt plus the answer vLLM accepted; a
+    request still reading its prompt gets nothing; a request missing from a step is let go."""
+    tokenizer = tiny_model.tokenizer
+    prompts = [tokenizer(DOCUMENT + f"\n\nWho keeps gate {g}?")["input_ids"] for g in (3, 17)]
+    answers = [[65], [66]]  # the first sampled token of each
+    rng = np.random.default_rng(0)
+    width = max(map(len, prompts)) + 64
+    model = proposer.pool.loaded.model
+    for step in range(8):
+        order = [0, 1] if step % 2 == 0 else [1, 0]
+        rows = np.zeros((3, width), dtype=np.int64)
+        lengths = np.zeros(3, dtype=np.int64)
+        for row, which in enumerate(order):
+            tokens = prompts[which] + answers[which]
+            rows[row, : len(tokens)], lengths[row] = tokens, len(tokens)
+        rows[2, :10], lengths[2] = np.arange(10), 10  # a third request still in its prefill
+        sampled = [[answers[which][-1]] for which in order] + [[]]
+        drafts = proposer.propose(sampled, lengths, rows)
+        assert drafts[2] == [] and len(proposer.requests) == 2
+        for row, which in enumerate(order):
+            request = proposer.requests.match(rows[row, : lengths[row]], set())
+            assert request.drafter.sequence[-len(answers[which]):] == answers[which]
+            assert len(request.drafter.sequence) < len(prompts[which])  # the drafter reads retrieved text
+            assert drafts[row] == greedy(model, request.drafter.sequence, 3)
+            kept = int(rng.integers(0, 4))  # vLLM keeps some drafts, then samples one more token
+            answers[which] += drafts[row][:kept] + [int(rng.integers(60, 90))]
+    rows = np.zeros((1, width), dtype=np.int64)
+    tokens = prompts[1] + answers[1]
+    rows[0, : len(tokens)] = tokens
+    proposer.propose([[answers[1][-1]]], np.array([len(tokens)]), rows)
+    assert len(proposer.requests) == 1 and proposer.totals["finished"] == 1
+    assert proposer.totals["drafted"] > 0
