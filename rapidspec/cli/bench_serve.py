@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rapidspec.bench.serve import PEERS
+from rapidspec.cli.bench_serve_peers import plan_peers
 from rapidspec.cli.bench_serve_report import comparison_table, results_tables
 from rapidspec.cli.options import json_object
 from rapidspec.errors import RapidspecError
@@ -85,13 +86,19 @@ def register(subparsers) -> None:
     peer = parser.add_argument_group("peer: the same load on another server, started here after rapidspec's run")
     peer.add_argument("--peer", choices=PEERS, default=None,
                       help="llama.cpp: llama.cpp's own llama-server on the target's GGUF (built from the pinned "
-                           "llama-cpp-python's sources on first use, about 4.5 minutes on 2 cores, then cached)")
+                           "llama-cpp-python's sources on first use, about 4.5 minutes on 2 cores, then cached); "
+                           "vllm: vLLM's OpenAI server from .venv-vllm (make vllm) on the target, three times: without "
+                           "speculation, with its ngram drafter and with RAPID's proposer")
     peer.add_argument("--peer-gguf", default=None, help="the GGUF file the peer serves (default: the target's)")
     peer.add_argument("--peer-parallel", type=int, default=1,
                       help="the peer's slots (default: %(default)s: llama-server does not share a document's prefix "
                            "between slots, so with more every slot prefills it again; see docs/bench_serve.md)")
     peer.add_argument("--peer-threads", type=int, default=None, help="the peer's threads (default: torch's, as rapidspec's)")
-    peer.add_argument("--peer-args", default="", help="more options for llama-server, one string, e.g. '-fa on'")
+    peer.add_argument("--peer-args", default="", help="more options for the peer's server, one string, e.g. '-fa on'")
+    peer.add_argument("--peer-speculation", default=None,
+                      help="vllm: the servers to run, comma-separated among none, ngram, rapid (default: all three)")
+    peer.add_argument("--peer-speculative-tokens", type=int, default=None,
+                      help="vllm: num_speculative_tokens of ngram and rapid (default: rapidspec's max_gamma)")
     parser.add_argument("--result-file", default=None, help="also write the JSON result to this file")
     parser.set_defaults(handler=run, command_name="bench serve")
 
@@ -110,80 +117,56 @@ def run(args: argparse.Namespace) -> int:
     launch = _launch_config(args)
     result_file = _result_file(args.result_file)
     requests = load_requests(args.dataset, args.document_tokens, args.locomo_sessions)
-    peer = _peer_config(args, config, requests)
-    err = Console(stderr=True)
-    if launch is None:
-        summary = _measure(config, requests, err) | {"server": {"started_here": False}}
-    else:
-        from rapidspec.bench.serve.process import LocalServer
+    with contextlib.ExitStack() as stack:
+        peers = plan_peers(args, config, requests, stack)
+        err = Console(stderr=True)
+        if launch is None:
+            summary = _measure(config, requests, err) | {"server": {"started_here": False}}
+        else:
+            from rapidspec.bench.serve.process import LocalServer
 
-        summary = _measure_started(LocalServer(launch), config, requests, err, _redacted(launch.serve_args))
-    summary = {"dataset": args.dataset} | summary
-    summaries = {"rapidspec": summary}
-    if peer is not None:
-        from rapidspec.bench.serve.peer import PeerServer, peer_load
-
-        peer_config = peer_load(replace(config, api_key=None))
-        summaries[args.peer] = {"dataset": args.dataset} | _measure_started(
-            PeerServer(peer), peer_config, requests, err, [str(peer.binary), *peer.args()])
-    result = summary if peer is None else {"dataset": args.dataset, "servers": summaries}
+            summary = _measure_started(LocalServer(launch), config, requests, err, _redacted(launch.serve_args))
+        summary = {"dataset": args.dataset} | summary
+        summaries = {"rapidspec": summary}
+        for peer in peers:
+            summaries[peer.name] = {"dataset": args.dataset} | _measure_peer(peer, requests, err)
+    result = summary if not peers else {"dataset": args.dataset, "servers": summaries}
     if result_file is not None:
         result_file.write_text(json.dumps(result, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
     out = Console(width=None if Console().is_terminal else 120)
     for table in results_tables(summary):
         out.print(table)
-    if peer is not None:
+    if peers:
         out.print(comparison_table(summaries))
     print(json.dumps(result, ensure_ascii=False), flush=True)
-    failed = any(s["lost"] or s["errors"] or s["server"].get("exit_code", 0) != 0 for s in summaries.values())
+    failed = any(s.get("failed") or s["lost"] or s["errors"] or s["server"].get("exit_code", 0) != 0
+                 for s in summaries.values())
     return 1 if failed else 0
 
 
-def _measure_started(server, config, requests, err: Console, args: list[str]) -> dict:
+def _measure_started(server, config, requests, err: Console, args: list[str], counters=None) -> dict:
     """Start ``server`` (a LocalServer) on 127.0.0.1, measure the load on it, stop it; the summary with its side."""
     with contextlib.ExitStack() as stack:
         with err.status(f"starting {server.name} on 127.0.0.1"):
             stack.enter_context(server)
         err.print(f"{server.name} started at {server.url} (log: {server.log_path})", soft_wrap=True)
-        summary = _measure(replace(config, base_url=server.url), requests, err)
+        summary = _measure(replace(config, base_url=server.url), requests, err, counters)
     return summary | {"server": {"started_here": True, "args": args, "exit_code": server.exit_code,
                                  "log": server.log_path}}
 
 
-def _peer_config(args: argparse.Namespace, config, requests):
-    """The peer to start after rapidspec's run (None without --peer); checked before anything runs."""
-    if args.peer is None:
-        return None
-    import torch
-
-    from rapidspec.bench.llama_server import llama_server_binary
-    from rapidspec.bench.serve.peer import PeerConfig, slot_context
-    from rapidspec.models.backend import gguf_file
-
-    gguf = Path(args.peer_gguf).expanduser() if args.peer_gguf else gguf_file(args.target or "builtin")
-    if gguf is None or not gguf.is_file():
-        raise RapidspecError(f"--peer {args.peer} serves a GGUF file: the target {args.target or 'builtin'!r} was not "
-                             "read from one; give --peer-gguf FILE")
-    parallel = args.peer_parallel
-    threads = args.peer_threads or torch.get_num_threads()
-    if parallel < 1 or threads < 1:
-        raise RapidspecError("--peer-parallel and --peer-threads must be >= 1")
+def _measure_peer(peer, requests, err: Console) -> dict:
+    """The peer's summary; one that did not start or whose test request failed is one line on stderr (naming the
+    server's log) and ``{"failed": message}`` in the results, and the other servers still run."""
     try:
-        extra = tuple(shlex.split(args.peer_args))
-    except ValueError as error:
-        raise RapidspecError(f"--peer-args: {error}") from None
-    # found (or built on first use, with one line saying so) before the tokenizer's load: its errors come first
-    err = Console(stderr=True)
-    binary = llama_server_binary(progress=lambda line: err.print(line, soft_wrap=True, markup=False, highlight=False))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-    context = slot_context(tokenizer, requests, max(config.answer_lengths))
-    return PeerConfig(binary=binary, gguf=gguf, threads=threads, parallel=parallel, slot_context=context,
-                      extra_args=extra, start_timeout_s=args.server_timeout)
+        return _measure_started(peer.server, peer.load, requests, err, peer.args, peer.counters)
+    except RapidspecError as error:
+        err.print(f"{peer.name}: {error}", soft_wrap=True, markup=False, highlight=False)
+        return {"failed": str(error), "server": {"started_here": True, "args": peer.args,
+                                                 "exit_code": peer.server.exit_code, "log": peer.server.log_path}}
 
 
-def _measure(config, requests, err: Console) -> dict:
+def _measure(config, requests, err: Console, counters: dict[str, str] | None = None) -> dict:
     from rapidspec.bench.serve.load import run_benchmark
 
     counts = {"completed": 0, "rejected": 0, "error": 0}
@@ -195,7 +178,7 @@ def _measure(config, requests, err: Console) -> dict:
             counts[result.outcome] += 1
             progress.update(task, advance=1, description=", ".join(f"{k} {v}" for k, v in counts.items()))
 
-        return run_benchmark(config, requests, on_done=done)
+        return run_benchmark(config, requests, on_done=done, counters=counters)
 
 
 def _max_tokens(text: str) -> int | tuple[int, ...]:

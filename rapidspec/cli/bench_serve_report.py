@@ -78,9 +78,20 @@ def latency_table(s: dict) -> Table:
     return table
 
 
+def _acceptance(s: dict) -> tuple[float | None, float | None]:
+    """(draft acceptance rate, mean accepted length per round): from the server's /metrics counters where they
+    have them (vLLM's), else from the answers' per-request speculative metrics (rapidspec serve's)."""
+    metrics = s.get("server_metrics") or {}
+    rate = metrics.get("acceptance_rate")
+    length = metrics.get("mean_acceptance_length")
+    return (rate if rate is not None else s.get("spec_draft_acceptance_rate"),
+            length if length is not None else s.get("spec_mean_acceptance_length"))
+
+
 def comparison_table(servers: dict[str, dict]) -> Table:
-    """One column per server (name -> summary): outcomes, throughputs and latency medians and p99."""
-    first = next(iter(servers.values()))
+    """One column per server (name -> summary): outcomes, throughputs, acceptance and latency medians and p99; a
+    server that did not run (``failed``) has dashes."""
+    first = next(s for s in servers.values() if not s.get("failed"))
     concurrency = first["max_concurrency"] or "no limit"
     table = Table(title=(f"bench serve, same load on each server: {first['num_prompts']} prompts ({first['dataset']}), "
                          f"rate {first['request_rate']}/s, concurrency {concurrency}, max_tokens {first['max_tokens']}"))
@@ -93,10 +104,15 @@ def comparison_table(servers: dict[str, dict]) -> Table:
             ("output tokens", lambda s: str(s["total_output_tokens"])),
             ("input tokens (of them cached)", lambda s: f"{s['total_input_tokens']} ({s['cached_input_tokens']})"),
             ("output token throughput (tok/s)", lambda s: _fmt(s["output_throughput"])),
-            ("request throughput (req/s)", lambda s: _fmt(s["request_throughput"], ".3f"))]
+            ("request throughput (req/s)", lambda s: _fmt(s["request_throughput"], ".3f")),
+            ("draft acceptance rate", lambda s: _fmt(_acceptance(s)[0], ".1%")),
+            ("mean accepted length per round", lambda s: _fmt(_acceptance(s)[1]))]
     for key, label in LATENCIES:
         for stat in ("median", "p99"):
             rows.append((f"{label.split(' (')[0]} {stat} (ms)", lambda s, k=f"{stat}_{key}_ms": _fmt(s[k])))
+    if any(s.get("failed") for s in servers.values()):
+        rows.insert(0, ("ran", lambda s: "yes"))
     for name, value in rows:
-        table.add_row(name, *(value(s) for s in servers.values()))
+        absent = "no (see stderr)" if name == "ran" else "-"
+        table.add_row(name, *(absent if s.get("failed") else value(s) for s in servers.values()))
     return table

@@ -142,8 +142,10 @@ async def check_server(client: httpx.AsyncClient) -> dict | None:
     return None
 
 
-async def read_counters(client: httpx.AsyncClient) -> dict[str, float] | None:
-    """The :data:`COUNTERS` of ``/metrics`` (None when the server has no readable /metrics)."""
+async def read_counters(client: httpx.AsyncClient, counters: dict[str, str] | None = None) -> dict[str, float] | None:
+    """``counters`` (key -> metric name; default :data:`COUNTERS`) of ``/metrics``, each summed over its labels
+    (None when the server has no readable /metrics)."""
+    counters = COUNTERS if counters is None else counters
     try:
         response = await client.get("/metrics", timeout=PROBE_TIMEOUT_S)
     except httpx.HTTPError as err:
@@ -153,8 +155,8 @@ async def read_counters(client: httpx.AsyncClient) -> dict[str, float] | None:
         log = logger.info if response.status_code in (404, 501) else logger.warning
         log("/metrics answered %s: no server counters", response.status_code)
         return None
-    names = {name: key for key, name in COUNTERS.items()}
-    values = dict.fromkeys(COUNTERS, 0.0)
+    names = {name: key for key, name in counters.items()}
+    values = dict.fromkeys(counters, 0.0)
     for line in response.text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in names:
@@ -172,10 +174,13 @@ async def settled_health(client: httpx.AsyncClient, timeout: float, every: float
     while True:
         try:
             response = await client.get("/health", timeout=PROBE_TIMEOUT_S)
-            health = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as err:
+        except httpx.HTTPError as err:
             logger.warning("could not read /health after the load: %s", err)
             return health
+        try:
+            health = response.json() if response.status_code == 200 else None
+        except ValueError:  # a /health without a body (vLLM's): nothing to wait for
+            return None
         if not isinstance(health, dict) or "running" not in health:
             return health
         if (not health.get("running") and not health.get("waiting")) or time.monotonic() >= deadline:

@@ -31,6 +31,9 @@ from rapidspec.bench.serve.dataset import BenchRequest
 from rapidspec.bench.serve.stats import RequestResult, summarize
 
 SETTLE_TIMEOUT_S = 60.0
+#: Seconds to wait before reading the counters of a server whose /health shows no queue (vLLM counts a step's
+#: tokens just after it sends them).
+COUNT_DELAY_S = 1.0
 #: Body fields the options set; ``extra_body`` may not replace them.
 RESERVED_FIELDS = frozenset({"messages", "documents", "max_tokens", "max_completion_tokens", "stream", "stream_options"})
 
@@ -169,14 +172,17 @@ def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | No
     """How much each /metrics counter grew during the load, with the acceptance and prefix-cache hit rates."""
     if before is None or after is None:
         return None
-    delta = {key: after[key] - before[key] for key in after}
-    delta["acceptance_rate"] = delta["accepted_tokens"] / delta["draft_tokens"] if delta["draft_tokens"] else None
-    queried = delta["prefix_cache_query_tokens"]
-    delta["prefix_cache_hit_rate"] = delta["prefix_cache_hit_tokens"] / queried if queried else None
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    drafted, accepted, drafts = (delta.get(k) for k in ("draft_tokens", "accepted_tokens", "drafts"))
+    delta["acceptance_rate"] = accepted / drafted if drafted and accepted is not None else None
+    if "drafts" in delta:  # vLLM's counters: a round's accepted tokens + the one the target adds
+        delta["mean_acceptance_length"] = 1 + accepted / drafts if drafts and accepted is not None else None
+    queried = delta.get("prefix_cache_query_tokens")
+    delta["prefix_cache_hit_rate"] = delta.get("prefix_cache_hit_tokens", 0.0) / queried if queried else None
     return delta
 
 
-async def _benchmark(config: LoadConfig, requests: Sequence[BenchRequest], on_done) -> dict:
+async def _benchmark(config: LoadConfig, requests: Sequence[BenchRequest], on_done, counters) -> dict:
     connections = config.max_concurrency or config.num_prompts
     async with httpx.AsyncClient(
         base_url=config.base_url, headers=config.headers, timeout=httpx.Timeout(config.timeout_s),
@@ -190,16 +196,20 @@ async def _benchmark(config: LoadConfig, requests: Sequence[BenchRequest], on_do
                 raise RapidspecError(f"the test request got no answer within --timeout {config.timeout_s:g} s") from None
             if test.outcome != "completed":
                 raise RapidspecError(f"the test request failed, nothing was measured: {test.detail}")
-        before = await read_counters(client)
+        before = await read_counters(client, counters)
         results, duration = await run_load(client, config, requests, on_done)
         health = await settled_health(client, SETTLE_TIMEOUT_S)
         if isinstance(health, dict) and "replicas" in health:  # replicas report once a second (rapidspec.scale.fleet)
             await asyncio.sleep(2.0)
-        after = await read_counters(client)
+        elif not isinstance(health, dict) or "running" not in health:  # no queue to watch (vLLM): let it count
+            await asyncio.sleep(COUNT_DELAY_S)
+        after = await read_counters(client, counters)
     return summarize(results, duration) | {"server_metrics": counter_deltas(before, after), "health_after": health}
 
 
 def run_benchmark(config: LoadConfig, requests: Sequence[BenchRequest],
-                  on_done: Callable[[RequestResult], None] | None = None) -> dict:
-    """Run the load against ``config.base_url``; the summary (vLLM's key names) with the server's counters."""
-    return config.describe() | asyncio.run(_benchmark(config, requests, on_done))
+                  on_done: Callable[[RequestResult], None] | None = None,
+                  counters: dict[str, str] | None = None) -> dict:
+    """Run the load against ``config.base_url``; the summary (vLLM's key names) with the growth of the server's
+    ``counters`` (key -> /metrics name; default: rapidspec serve's, :data:`~.client.COUNTERS`)."""
+    return config.describe() | asyncio.run(_benchmark(config, requests, on_done, counters))

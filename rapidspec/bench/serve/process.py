@@ -4,11 +4,15 @@
 its output in a log file, waits (bounded) until ``/health`` answers, and on
 exit stops it with SIGTERM (then SIGKILL after ``stop_timeout_s``) and keeps
 its exit code. A server that exits or does not answer in time is a
-RapidspecError naming the log and its last line.
+RapidspecError naming the log and its last line. A subclass names its own
+``command`` and ``environment``; one with ``own_group`` (a server that starts
+processes of its own, as vLLM's engine core) runs in a process group of its
+own, and whatever of that group outlives the server is killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -59,6 +63,7 @@ class LocalServer:
     """A context manager: ``url`` once started, ``exit_code`` after the ``with`` block."""
 
     name = "rapidspec serve"
+    own_group = False  # True: a process group of its own, killed whole once the server has exited
 
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
@@ -70,14 +75,17 @@ class LocalServer:
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "rapidspec", "serve", "--host", HOST, "--port", str(port), *self.config.serve_args]
 
+    def environment(self) -> dict[str, str]:
+        return os.environ | ({"RAPIDSPEC_API_KEY": self.config.api_key} if self.config.api_key else {})
+
     def __enter__(self) -> LocalServer:
         port = free_port()
         with tempfile.NamedTemporaryFile("wb", prefix=f"rapidspec_bench_serve_{self.name.split()[0]}_", suffix=".log", delete=False) as log:
             self.log_path = log.name
             logger.info("starting %s (log: %s)", " ".join(self.command(port)), log.name)
-            env = os.environ | ({"RAPIDSPEC_API_KEY": self.config.api_key} if self.config.api_key else {})
             self._process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, env=env)
+                                              stdin=subprocess.DEVNULL, env=self.environment(),
+                                              start_new_session=self.own_group)
         try:
             self._wait_ready(f"http://{HOST}:{port}")
         except BaseException:
@@ -118,6 +126,8 @@ class LocalServer:
             logger.warning("%s did not stop within %g s of SIGTERM; killing it", self.name, self.config.stop_timeout_s)
             process.kill()
             self.exit_code = process.wait()
+        if self.own_group:
+            _kill_group(process.pid, self.name)
         return self.exit_code
 
     def last_log_line(self) -> str:
@@ -127,3 +137,26 @@ class LocalServer:
         except OSError:
             return "(no log)"
         return lines[-1] if lines else "(empty log)"
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _kill_group(group: int, name: str, grace_s: float = 5.0) -> None:
+    """What is left of process group ``group`` (nothing, normally): SIGTERM, then SIGKILL after ``grace_s``."""
+    if not _group_alive(group):
+        return
+    logger.warning("%s left processes behind after it exited; stopping them", name)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _group_alive(group) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _group_alive(group):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
