@@ -144,3 +144,11 @@ def test_the_proposer_follows_requests_across_reordered_steps(proposer, tiny_mod
     proposer.propose([[answers[1][-1]]], np.array([len(tokens)]), rows)
     assert len(proposer.requests) == 1 and proposer.totals["finished"] == 1
     assert proposer.totals["drafted"] > 0
+
+
+def test_a_missing_vllm_is_one_line(monkeypatch, tmp_path):
+    from rapidspec.vllm.environment import require_vllm_python
+
+    monkeypatch.setenv("RAPIDSPEC_VLLM_PYTHON", str(tmp_path / "none"))
+    with pytest.raises(RapidspecError, match="make vllm"):
+        require_vllm_python()

@@ -59,7 +59,8 @@ from rapidspec.vllm.options import ProposerOptions
 from rapidspec.vllm.prompt_reading import ChatLayout, read_prompt
 from rapidspec.vllm.requests import RequestDrafts, Requests
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: vLLM gives it a handler in each of its processes, so the proposer's lines show with vLLM's.
+logger = logging.getLogger("vllm.rapidspec")
 
 #: Tokens of the drafter's window kept for the answer when its prompt is fitted to it.
 ANSWER_ROOM_TOKENS = 1024
@@ -174,7 +175,9 @@ class RapidProposer:
             self.totals["finished"] += 1
             for key in ("drafted", "accepted", "rounds"):
                 self.totals[key] += getattr(request, key)
-            logger.info("rapidspec proposer: %s", json.dumps(self.totals))
+            logger.info("rapidspec proposer: a request ended (%d drafted, %d accepted in %d rounds); %d running; "
+                        "totals %s", request.drafted, request.accepted, request.rounds, len(self.requests),
+                        json.dumps(self.totals))
 
     def _warn(self, cause: str, what: str) -> None:
         if cause not in self._warned:
