@@ -102,6 +102,7 @@ def fake_vllm(tmp_path, monkeypatch, tiny_model_dir):
     python.write_text(FAKE_VLLM.format(python=sys.executable, record=str(record)))
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("RAPIDSPEC_VLLM_PYTHON", str(python))
+    monkeypatch.setattr("rapidspec.bench.serve.process.GROUP_GRACE_S", 0.5)  # the stand-in's child never exits alone
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "FAKE_VLLM_FAIL"):
         monkeypatch.delenv(name, raising=False)
     exported = []
@@ -303,6 +304,20 @@ def test_the_vllm_server_stops_its_group(fake_vllm, tmp_path):
         assert server.url.startswith("http://127.0.0.1:")
     child = json.loads(record.read_text().splitlines()[0])["child"]
     assert server.exit_code == 0 and not _alive(child)
+
+
+def test_the_failure_line_is_the_cause_in_vllms_log(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "(APIServer pid=1) WARNING [system_utils.py:255] fd limit errors like `OSError: [Errno 24] Too many`\n"
+        "(Worker pid=3) ERROR 11-26 23:19:27 [multiproc_executor.py:953] ModuleNotFoundError: No module named 'x'\n"
+        "(EngineCore pid=2) ERROR 11-26 [core.py:1510] Exception: WorkerProc initialization failed due to ...\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    server = VllmServer(_config(tmp_path))
+    server.log_path = str(log)
+    assert server.last_log_line() == "ModuleNotFoundError: No module named 'x'"
+    log.write_text("INFO starting\nnothing failed here\n")
+    assert server.last_log_line() == "nothing failed here"
 
 
 @pytest.mark.slow

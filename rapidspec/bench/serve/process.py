@@ -13,6 +13,7 @@ own, and whatever of that group outlives the server is killed.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import signal
@@ -30,6 +31,8 @@ from rapidspec.errors import RapidspecError
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+#: Seconds the children of a server in a group of its own get to exit after it, then after SIGTERM.
+GROUP_GRACE_S = 5.0
 
 
 def free_port() -> int:
@@ -140,15 +143,31 @@ class LocalServer:
 
 
 def _group_alive(group: int) -> bool:
+    """Whether a process of ``group`` still runs (zombies not counted: they wait for a parent to reap them)."""
     try:
         os.killpg(group, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    return True
+    if not os.path.isdir("/proc"):
+        return True
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat, encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ... after "pid (comm)"
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(group) and fields[0] != "Z":
+            return True
+    return False
 
 
-def _kill_group(group: int, name: str, grace_s: float = 5.0) -> None:
-    """What is left of process group ``group`` (nothing, normally): SIGTERM, then SIGKILL after ``grace_s``."""
+def _kill_group(group: int, name: str, grace_s: float | None = None) -> None:
+    """What is left of process group ``group`` ``grace_s`` after its leader exited (nothing, normally: a server's
+    children exit soon after it): SIGTERM, then SIGKILL after another ``grace_s``."""
+    grace_s = GROUP_GRACE_S if grace_s is None else grace_s
+    deadline = time.monotonic() + grace_s
+    while _group_alive(group) and time.monotonic() < deadline:
+        time.sleep(0.1)
     if not _group_alive(group):
         return
     logger.warning("%s left processes behind after it exited; stopping them", name)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -57,6 +58,10 @@ VLLM_COUNTERS = {
 #: Body fields vLLM reads as rapidspec does (its penalties count the same tokens: rapidspec.penalties).
 SHARED_FIELDS = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "model", "ignore_eos",
                            "frequency_penalty", "presence_penalty", "repetition_penalty"})
+#: A line that is an exception's name and message (alone or logged as an ERROR), and vLLM's own wrappers of the
+#: cause (not the cause).
+_ERROR = re.compile(r"^(?:\(.*?\) ERROR .*?\] )?([A-Z]\w*(?:Error|Exception): .*)")
+_GENERIC = re.compile(r"(Engine core|WorkerProc) initialization failed|EngineCore failed to start")
 LENGTH_MARGIN_TOKENS = 64
 LENGTH_QUANTUM = 256
 #: Options bench serve sets itself.
@@ -152,6 +157,16 @@ class VllmServer(LocalServer):
 
     def environment(self) -> dict[str, str]:
         return self.config.environment()
+
+    def last_log_line(self) -> str:
+        """The first error of the log (vLLM's engine core logs the cause, then the server a generic error), else
+        its last line."""
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                found = [m.group(1) for line in f if (m := _ERROR.search(line)) and not _GENERIC.search(line)]
+        except OSError:
+            found = []
+        return found[0].strip() if found else super().last_log_line()
 
 
 def max_model_len(tokenizer, requests, answer_tokens: int, speculative_tokens: int) -> int:
