@@ -297,6 +297,26 @@ def test_a_vllm_that_does_not_start_is_one_line_and_the_others_still_run(tiny_mo
     assert "no (see stderr)" in captured.out
 
 
+def test_a_failed_test_request_on_vllm_is_one_line_naming_the_log(tiny_model, other_tiny_model, fake_vllm,
+                                                                  capsys, monkeypatch):
+    from rapidspec.bench.serve import load
+
+    real = load.send_request
+
+    async def refused_by_vllm(client, index, body, session=None):
+        result = await real(client, index, body, session)
+        if index == -1 and "model" in body:  # the test request of a vLLM server
+            result.outcome, result.detail = "error", "HTTP 400: the prompt is longer than max_model_len"
+        return result
+
+    monkeypatch.setattr(load, "send_request", refused_by_vllm)
+    code = _run(tiny_model, other_tiny_model, ["--peer-speculation", "none"])
+    captured = capsys.readouterr()
+    failed = [line for line in captured.err.splitlines() if line.startswith("vllm:")]
+    assert code == 1 and len(failed) == 1 and "max_model_len" in failed[0] and "(log: /" in failed[0], captured.err
+    assert "Traceback" not in captured.err
+
+
 def test_the_vllm_server_stops_its_group(fake_vllm, tmp_path):
     python, record, _ = fake_vllm
     server = VllmServer(_config(tmp_path, python=python, start_timeout_s=30))

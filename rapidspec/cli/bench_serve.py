@@ -161,8 +161,10 @@ def _measure_peer(peer, requests, err: Console) -> dict:
     try:
         return _measure_started(peer.server, peer.load, requests, err, peer.args, peer.counters)
     except RapidspecError as error:
-        err.print(f"{peer.name}: {error}", soft_wrap=True, markup=False, highlight=False)
-        return {"failed": str(error), "server": {"started_here": True, "args": peer.args,
+        log = peer.server.log_path
+        message = str(error) if log is None or log in str(error) else f"{error} (log: {log})"
+        err.print(f"{peer.name}: {message}", soft_wrap=True, markup=False, highlight=False)
+        return {"failed": message, "server": {"started_here": True, "args": peer.args,
                                                  "exit_code": peer.server.exit_code, "log": peer.server.log_path}}
 
 
