@@ -3,17 +3,23 @@
 # llama-server, Debian's Chromium) and runs the tests. scripts/install.py does the steps: one line each on the
 # terminal (what, about how long), their output in .venv/setup.log. Each set-up has its stamp: `make test` after
 # `make demo` adds only what is missing, `make demo` after `make test` installs nothing.
+# `make vllm` makes .venv-vllm: vLLM for CPUs (it pins packages .venv is ahead of) with rapidspec and what RAPID's
+# proposer imports (docs/vllm.md); `make test` makes it too, for the tests that run vLLM.
 VENV := .venv
 PY := $(VENV)/bin/python
 SETUP := python3 scripts/install.py --venv $(VENV)
 SETUP_FILES := pyproject.toml Makefile scripts/install.py
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
+VLLM_VENV := .venv-vllm
+# the vLLM release is pinned in rapidspec/vllm/environment.py
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test install install-demo
+.PHONY: demo test install install-demo vllm
 
 install-demo: $(DEMO_STAMP)
-install: $(TEST_STAMP)
+install: $(TEST_STAMP) $(VLLM_STAMP)
+vllm: $(VLLM_STAMP)
 
 $(DEMO_STAMP): $(SETUP_FILES)
 	@$(SETUP) demo
@@ -23,10 +29,15 @@ $(TEST_STAMP): $(DEMO_STAMP) $(SETUP_FILES)
 	@$(SETUP) test
 	@touch $@
 
+$(VLLM_STAMP): $(SETUP_FILES) rapidspec/vllm/environment.py
+	@python3 scripts/install.py --venv $(VLLM_VENV) vllm
+	@touch $@
+
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/rapidspec demo
 
-test: $(TEST_STAMP)
+# vLLM's set-up after the others: the llama-cpp-python wheel the demo's set-up compiled is then in pip's cache
+test: $(TEST_STAMP) $(VLLM_STAMP)
 	# Qwen2.5-Coder 0.5B (a chat template with tools) for the structured-output and tool-call tests; kept once installed.
 	$(VENV)/bin/rapidspec models install qwen2.5-coder-0.5b
 	$(PY) -m pytest -q -ra

