@@ -3,7 +3,8 @@
 * :mod:`.loading`: :func:`load_model` (the built-in models, GGUF files, local
   dirs, HF ids already cached) returning a :class:`LoadedModel`, and
   :func:`low_bit_copy` (int8 / int4 copies of a model's weights);
-  :mod:`.conversion`: GGUF files converted once into the cache.
+  :mod:`.conversion`: GGUF files converted once into the cache;
+  :mod:`.export`: a model as a standard Hugging Face folder that vLLM loads.
 * :mod:`.spec`: :class:`ModelSpec`, the models a run loads (target, drafter,
   dtype, devices, quantization, runtime, drafter backend), which the CLI,
   the server, evaluation and Ray workers take.
