@@ -70,7 +70,8 @@ def test_options_from_json_are_checked():
     assert options.drafter == "builtin" and options.retrieval.budget_tokens == 512
     for text, word in [("{", "not JSON"), ("[]", "JSON object"), ('{"eta": 1}', "'eta'"),
                        ('{"retrieval": {"budget": 1}}', "'budget'"), ('{"schedule": "fast"}', "schedule"),
-                       ('{"drafter_threads": 0}', "drafter_threads"), ('{"drafter_backend": "vllm"}', "backend")]:
+                       ('{"drafter_threads": 0}', "drafter_threads"), ('{"drafter_backend": "vllm"}', "backend"),
+                       ('{"prepare": "later"}', "prepare")]:
         with pytest.raises(RapidspecError, match=word):
             ProposerOptions.from_json(text)
 
@@ -89,25 +90,37 @@ def test_the_step_cost_line_fits_base_and_slope():
 
 
 def greedy(model, ids: list[int], count: int) -> list[int]:
-    """``count`` greedy tokens after ``ids``, each from a forward over the whole sequence (no cache)."""
+    """Up to ``count`` greedy tokens after ``ids``, each from a forward over the whole sequence (no cache); none
+    after an EOS (nothing follows it)."""
     out = []
     for _ in range(count):
         with torch.no_grad():
             logits = model(torch.tensor([ids + out])).logits[0, -1]
         out.append(int(logits.argmax()))
+        if out[-1] == model.generation_config.eos_token_id:
+            break
     return out
+
+
+def new_proposer(folder, tokenizer, monkeypatch, prepare: str) -> RapidProposer:
+    monkeypatch.setenv(ENV_VARIABLE, json.dumps({"drafter_backend": "torch", "schedule": "constant", "prepare": prepare,
+                                                 "retrieval": {"method": "bm25", "chunk_tokens": 128, "budget_tokens": 512}}))
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=3),
+        model_config=SimpleNamespace(max_model_len=4096, model=str(folder), tokenizer=str(folder),
+                                     get_vocab_size=lambda: len(tokenizer)),
+        device_config=SimpleNamespace(device=torch.device("cpu")))
+    return RapidProposer(config)
 
 
 @pytest.fixture
 def proposer(tiny_model_dir, tiny_model, monkeypatch):
-    monkeypatch.setenv(ENV_VARIABLE, json.dumps({"drafter_backend": "torch", "schedule": "constant",
-                                                 "retrieval": {"method": "bm25", "chunk_tokens": 128, "budget_tokens": 512}}))
-    config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=3),
-        model_config=SimpleNamespace(max_model_len=4096, model=str(tiny_model_dir), tokenizer=str(tiny_model_dir),
-                                     get_vocab_size=lambda: len(tiny_model.tokenizer)),
-        device_config=SimpleNamespace(device=torch.device("cpu")))
-    return RapidProposer(config)
+    return new_proposer(tiny_model_dir, tiny_model.tokenizer, monkeypatch, "inline")
+
+
+def one_row(tokens: list[int], sampled: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """vLLM's arguments for one running request."""
+    return [[sampled]], np.array([len(tokens)]), np.array([tokens], dtype=np.int64)
 
 
 def test_the_proposer_follows_requests_across_reordered_steps(proposer, tiny_model):
@@ -138,12 +151,24 @@ def test_the_proposer_follows_requests_across_reordered_steps(proposer, tiny_mod
             assert drafts[row] == greedy(model, request.drafter.sequence, 3)
             kept = int(rng.integers(0, 4))  # vLLM keeps some drafts, then samples one more token
             answers[which] += drafts[row][:kept] + [int(rng.integers(60, 90))]
-    rows = np.zeros((1, width), dtype=np.int64)
-    tokens = prompts[1] + answers[1]
-    rows[0, : len(tokens)] = tokens
-    proposer.propose([[answers[1][-1]]], np.array([len(tokens)]), rows)
+    proposer.propose(*one_row(prompts[1] + answers[1], answers[1][-1]))
     assert len(proposer.requests) == 1 and proposer.totals["finished"] == 1
     assert proposer.totals["drafted"] > 0
+
+
+def test_a_drafter_prepared_beside_joins_once_ready(tiny_model_dir, tiny_model, monkeypatch):
+    """By default a new request's retrieval and drafter prefill run beside vLLM's steps: no drafts until they
+    are done, then drafts after the answer so far, as when prepared inline."""
+    proposer = new_proposer(tiny_model_dir, tiny_model.tokenizer, monkeypatch, "beside")
+    prompt = tiny_model.tokenizer(DOCUMENT + "\n\nWho keeps gate 5?")["input_ids"]
+    answer = [65]
+    assert proposer.propose(*one_row(prompt + answer, 65)) == [[]]
+    request = proposer.requests.match(np.array(prompt + answer), set())
+    request.preparing.result(timeout=60)
+    answer.append(70)  # vLLM's next token, from a step without drafts
+    drafts = proposer.propose(*one_row(prompt + answer, 70))[0]
+    assert request.drafter.sequence[-2:] == answer
+    assert drafts == greedy(proposer.pool.loaded.model, request.drafter.sequence, 3)
 
 
 def test_a_missing_vllm_is_one_line(monkeypatch, tmp_path):

@@ -25,6 +25,9 @@ ENV_VARIABLE = "RAPIDSPEC_VLLM_OPTIONS"
 #: ``cost``: rapidspec's cost model picks each round's drafts in [0, num_speculative_tokens]
 #: (:mod:`rapidspec.drafting.gamma_schedule`); ``constant``: always num_speculative_tokens.
 SCHEDULES = ("cost", "constant")
+#: ``beside``: a new request's retrieval and drafter prefill run on the proposer's own thread while vLLM goes on
+#: (the request gets drafts once they are done); ``inline``: in the step that first sees it, which waits.
+PREPARES = ("beside", "inline")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class ProposerOptions:
     torch on vLLM's device), ``llama.cpp`` or ``torch``. ``drafter_threads``: llama.cpp's threads (None:
     torch's thread count). ``schedule``: :data:`SCHEDULES`. ``retrieval``: as rapidspec's retrieval options.
     ``recent_messages``: earlier chat messages the drafter reads verbatim (as ``rapidspec chat``).
+    ``prepare``: :data:`PREPARES`.
     """
 
     drafter: str | None = None
@@ -46,6 +50,7 @@ class ProposerOptions:
     schedule: str = "cost"
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     recent_messages: int = DEFAULT_RECENT_MESSAGES
+    prepare: str = "beside"
 
     def __post_init__(self) -> None:
         if self.drafter is not None and (not isinstance(self.drafter, str) or not self.drafter.strip()):
@@ -58,6 +63,8 @@ class ProposerOptions:
             raise RapidspecError(f"drafter_threads must be an integer >= 1, got {self.drafter_threads!r}")
         if self.schedule not in SCHEDULES:
             raise RapidspecError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.prepare not in PREPARES:
+            raise RapidspecError(f"prepare must be one of {', '.join(PREPARES)}, got {self.prepare!r}")
         if not isinstance(self.recent_messages, int) or self.recent_messages < 0:
             raise RapidspecError(f"recent_messages must be an integer >= 0, got {self.recent_messages!r}")
 

@@ -18,7 +18,9 @@ read). For each request the proposer:
    prefills a drafter on the short prompt (a llama.cpp context over a GGUF on
    the CPU, or a torch cache on vLLM's device; the drafter pools of
    :mod:`rapidspec.drafting.backends`, which hand a finished request's cache to
-   the next one with the same document);
+   the next one with the same document). By default this runs on the
+   proposer's own thread while vLLM goes on: the request is decoded without
+   drafts until its drafter is ready, and no other request waits for it;
 2. every step, feeds the drafter the tokens vLLM accepted since the last step
    (:mod:`.requests`) and drafts up to ``num_speculative_tokens`` greedily,
    fewer where rapidspec's ``cost`` schedule expects a round not to pay
@@ -42,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,6 +96,8 @@ class RapidProposer:
         self.requests = Requests()
         self.clock = StepClock()
         self.totals = {"requests": 0, "finished": 0, "drafted": 0, "accepted": 0, "rounds": 0}
+        self._beside = ThreadPoolExecutor(1, thread_name_prefix="rapidspec-vllm-prepare") \
+            if self.options.prepare == "beside" else None
         self._warned: set[str] = set()
         logger.info("rapidspec proposer: drafter %s, up to %d drafts a step (%s schedule), retrieval %s",
                     self.pool.label, self.most, self.options.schedule, self.options.retrieval.method)
@@ -120,6 +125,7 @@ class RapidProposer:
                 self.totals["requests"] += 1
             else:
                 request.advance(tokens)
+            request.join_if_ready()
             taken.add(id(request))
             verified += 1
             room = self.max_model_len - length - 1
@@ -132,8 +138,18 @@ class RapidProposer:
         return drafts
 
     def _start(self, tokens: np.ndarray, prompt_tokens: int) -> RequestDrafts:
-        """The drafts of a request seen for the first time (no drafter where its prompt cannot have one)."""
+        """The drafts of a request seen for the first time; its drafter is prepared on the proposer's own thread
+        (``prepare="beside"``: the request gets no drafts until it is ready) or now."""
+        schedule = CostSchedule(self.most, self.most, 0.0, self.clock.costs()) if self.options.schedule == "cost" else None
         prompt = [int(t) for t in tokens[:prompt_tokens]]
+        if self._beside is None:
+            return RequestDrafts(tokens, prompt_tokens, self._prepare(prompt), schedule)
+        request = RequestDrafts(tokens, prompt_tokens, None, schedule)
+        request.preparing = self._beside.submit(self._prepare, prompt)
+        return request
+
+    def _prepare(self, prompt: list[int]):
+        """A drafter prefilled on the short prompt of ``prompt`` (module docstring), or None where there is none."""
         try:
             read = read_prompt(self.tokenizer, self.layout, prompt)
             window = max(self.pool.max_context - ANSWER_ROOM_TOKENS, self.pool.max_context // 2) \
@@ -141,17 +157,15 @@ class RapidProposer:
             pair = chat_prompts(self.tokenizer, self.retriever, read.messages, read.documents, mode="ragsd",
                                 target_window=self.max_model_len, drafter_window=window,
                                 recent_messages=self.options.recent_messages, raw=read.raw)
-            room = self.max_model_len - prompt_tokens
+            room = self.max_model_len - len(prompt)
             if self.pool.max_context:
                 room = min(room, self.pool.max_context - len(pair.drafter_ids))
             pending = self.pool.begin(pair.drafter_ids, max(room, 1), self.vocab_size, self.device)
             pending.advance(None)
-            drafter = pending.drafter()
+            return pending.drafter()
         except Exception as err:  # noqa: BLE001  (vLLM's engine must go on: this request decodes without drafts)
             self._warn(f"{type(err).__name__}: {err}", "a request gets no drafts")
-            drafter = None
-        schedule = CostSchedule(self.most, self.most, 0.0, self.clock.costs()) if self.options.schedule == "cost" else None
-        return RequestDrafts(tokens, prompt_tokens, drafter, schedule)
+            return None
 
     def _draft(self, request: RequestDrafts, most: int, costs) -> list[int]:
         capacity = getattr(request.drafter.cache, "capacity", None)

@@ -38,6 +38,7 @@ class RequestDrafts:
         self.drafter = drafter
         self.schedule = schedule
         self.drafts: list[int] = []  # proposed last step
+        self.preparing = None  # a Future of the drafter while it is prepared beside vLLM's steps
         self.drafted = self.accepted = self.rounds = 0  # totals over the request (drafting rounds only)
         if drafter is not None:
             drafter.commit([int(t) for t in self.seen[prompt_tokens:]])
@@ -80,8 +81,18 @@ class RequestDrafts:
         self.drafts = proposal.tokens
         return proposal
 
-    def close(self) -> None:
+    def join_if_ready(self) -> None:
+        """Take the drafter prepared beside vLLM's steps once it is ready, fed the answer so far."""
+        if self.preparing is None or not self.preparing.done():
+            return
+        self.drafter, self.preparing = self.preparing.result(), None
         if self.drafter is not None:
+            self.drafter.commit([int(t) for t in self.seen[self.prompt_tokens:]])
+
+    def close(self) -> None:
+        if self.preparing is not None:  # the drafter goes back to its pool once it is ready
+            self.preparing.add_done_callback(lambda done: done.result() and done.result().close(keep=True))
+        elif self.drafter is not None:
             self.drafter.close(keep=True)
 
 
