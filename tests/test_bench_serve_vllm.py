@@ -13,9 +13,12 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import stat
+import subprocess
 import sys
 import textwrap
+import time
 
 import httpx
 import pytest
@@ -48,7 +51,8 @@ FAKE_VLLM = textwrap.dedent('''\
     child = subprocess.Popen(["sleep", "300"])  # as vLLM's engine core, a child of the server
     env = {{k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_V2_MODEL_RUNNER",
                                            "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}}
-    record.write(json.dumps({{"args": sys.argv[1:], "env": env, "child": child.pid}}) + "\\n"); record.flush()
+    record.write(json.dumps({{"args": sys.argv[1:], "env": env, "child": child.pid,
+                            "pid": os.getpid()}}) + "\\n"); record.flush()
     port = int(sys.argv[sys.argv.index("--port") + 1])
     counts = {{"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "generation": 0}}
 
@@ -224,6 +228,7 @@ def test_a_missing_vllm_venv_is_one_line(tiny_model, capsys, monkeypatch, tmp_pa
 
 def test_vllm_options_are_checked_before_anything_runs(capsys, fake_vllm):
     for argv, message in ((["--peer", "llama.cpp", "--peer-speculation", "none"], "apply to --peer vllm"),
+                          (["--peer-model", "builtin"], "apply to --peer vllm"),
                           (["--peer-speculative-tokens", "4"], "apply to --peer vllm"),
                           (["--peer", "vllm", "--peer-parallel", "2"], "apply to --peer llama.cpp"),
                           (["--peer", "vllm", "--peer-speculation", "eagle"], "--peer-speculation")):
@@ -346,6 +351,32 @@ def test_the_failure_line_is_the_cause_in_vllms_log(tmp_path):
     assert server.last_log_line() == "ModuleNotFoundError: No module named 'x'"
     log.write_text("INFO starting\nnothing failed here\n")
     assert server.last_log_line() == "nothing failed here"
+
+
+def test_sigterm_stops_the_vllm_server_started_here(fake_vllm, tiny_model, other_tiny_model, tiny_model_dir):
+    """``timeout`` or ``kill`` on bench serve stops the vLLM server it started (a group of its own, out of reach
+    of a signal to bench serve's group) as Ctrl-C does."""
+    python, record, _ = fake_vllm
+    engine = Rapid(tiny_model, other_tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=96,
+                                                                          budget_tokens=200))
+    with running_server(engine) as url:
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "rapidspec", "bench", "serve", "--base-url", url, "--num-prompts", "1",
+             "--peer", "vllm", "--peer-model", str(tiny_model_dir), "--peer-speculation", "none", "--peer-threads",
+             "1", "--document-tokens", "256", "--max-tokens", "4", "--timeout", "60"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while "args" not in (record.read_text() if record.exists() else "") and time.monotonic() < deadline:
+                assert bench.poll() is None, bench.communicate()
+                time.sleep(0.1)
+            started = json.loads(record.read_text().splitlines()[0])
+            bench.send_signal(signal.SIGTERM)
+            _, err = bench.communicate(timeout=60)
+        finally:
+            bench.kill()
+    assert bench.returncode == 130 and "interrupted" in err, err
+    assert not _alive(started["pid"]) and not _alive(started["child"])
 
 
 @pytest.mark.slow

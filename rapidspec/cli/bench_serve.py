@@ -17,6 +17,8 @@ import contextlib
 import json
 import os
 import shlex
+import signal
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -97,6 +99,9 @@ def register(subparsers) -> None:
     peer.add_argument("--peer-args", default="", help="more options for the peer's server, one string, e.g. '-fa on'")
     peer.add_argument("--peer-speculation", default=None,
                       help="vllm: the servers to run, comma-separated among none, ngram, rapid (default: all three)")
+    peer.add_argument("--peer-model", default=None,
+                      help="vllm: the model vLLM serves, any name rapidspec models export takes (default: --target, "
+                           "else the built-in model)")
     peer.add_argument("--peer-speculative-tokens", type=int, default=None,
                       help="vllm: num_speculative_tokens of ngram and rapid (default: rapidspec's max_gamma)")
     parser.add_argument("--result-file", default=None, help="also write the JSON result to this file")
@@ -118,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     result_file = _result_file(args.result_file)
     requests = load_requests(args.dataset, args.document_tokens, args.locomo_sessions)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_terminate_as_interrupt())  # servers started here are stopped on SIGTERM too
         peers = plan_peers(args, config, requests, stack)
         err = Console(stderr=True)
         if launch is None:
@@ -153,6 +159,24 @@ def _measure_started(server, config, requests, err: Console, args: list[str], co
         summary = _measure(replace(config, base_url=server.url), requests, err, counters)
     return summary | {"server": {"started_here": True, "args": args, "exit_code": server.exit_code,
                                  "log": server.log_path}}
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (``timeout``, ``kill``) raises KeyboardInterrupt, so the servers started here are stopped as on
+    Ctrl-C rather than left running (vLLM's in a process group of their own would not get the signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _measure_peer(peer, requests, err: Console) -> dict:

@@ -34,13 +34,11 @@ class Peer:
 
 def plan_peers(args: argparse.Namespace, config, requests, stack: contextlib.ExitStack) -> list[Peer]:
     """The peers of ``--peer`` (none without it); ``stack`` owns what they need until the run ends (a folder)."""
+    if args.peer != "vllm" and (args.peer_speculation or args.peer_speculative_tokens or args.peer_model):
+        raise RapidspecError("--peer-model, --peer-speculation and --peer-speculative-tokens apply to --peer vllm")
     if args.peer is None:
-        if args.peer_speculation is not None or args.peer_speculative_tokens is not None:
-            raise RapidspecError("--peer-speculation and --peer-speculative-tokens apply to --peer vllm")
         return []
     if args.peer == "llama.cpp":
-        if args.peer_speculation is not None or args.peer_speculative_tokens is not None:
-            raise RapidspecError("--peer-speculation and --peer-speculative-tokens apply to --peer vllm")
         from rapidspec.bench.serve.peer import PeerServer, peer_load
 
         peer = _llama_config(args, config, requests)
@@ -108,8 +106,8 @@ def _vllm_peers(args: argparse.Namespace, config, requests, stack: contextlib.Ex
     if tokens < 1:
         raise RapidspecError("--peer-speculative-tokens must be >= 1")
     threads, extra = _threads(args), _extra_args(args)
-    target = args.target or "builtin"
-    served = config.model or config.extra_body.get("model") or target
+    target = args.peer_model or args.target or "builtin"
+    served = config.model or config.extra_body.get("model") or args.target or "builtin"
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rapidspec_bench_serve_vllm_"))) / "model"
     from rapidspec.models.export import export_model
 
