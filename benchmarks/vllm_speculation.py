@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -79,10 +78,11 @@ def worker(job: dict) -> None:
     print("RESULT " + json.dumps(rows), flush=True)
 
 
-def run_method(python: Path, env: dict, job: dict, log: Path) -> list[dict]:
+def run_method(job: dict, log: Path) -> list[dict]:
+    from rapidspec.vllm.environment import run_in_vllm
+
     with log.open("w") as handle:
-        done = subprocess.run([str(python), __file__, "--worker", json.dumps(job)], stdout=subprocess.PIPE,
-                              stderr=handle, text=True, env=env, timeout=3600)
+        done = run_in_vllm([__file__, "--worker", json.dumps(job)], 3600, stderr=handle)
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not found:
         raise SystemExit(f"vLLM failed ({job['speculative_config']}): see {log}")
@@ -122,9 +122,9 @@ def main() -> None:
     if not args.out:
         parser.error("--out is required")
     from rapidspec.models.export import export_model
-    from rapidspec.vllm.environment import require_vllm_python, vllm_env
+    from rapidspec.vllm.environment import require_vllm_python
 
-    python = require_vllm_python()
+    require_vllm_python()
     if args.data:
         records = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     else:
@@ -145,7 +145,7 @@ def main() -> None:
                "max_model_len": args.max_model_len,
                "speculative_config": speculative_config(method, str(folder), args.num_speculative_tokens)}
         print(f"{method}: running ...", file=sys.stderr, flush=True)
-        rows = run_method(python, vllm_env(), job, Path(args.out).with_suffix(f".{method}.log"))
+        rows = run_method(job, Path(args.out).with_suffix(f".{method}.log"))
         plain = rows if method == "none" else plain
         results.append(summary(method, rows, plain if method != "none" else None))
         with open(args.out, "a", encoding="utf-8") as out:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rapidspec.bench.serve.dataset import BUILTIN_QUESTIONS
-from rapidspec.vllm.environment import vllm_env, vllm_python
+from rapidspec.vllm.environment import run_in_vllm, vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +23,10 @@ RAPID = {"method": "custom_class", "model": "rapidspec.vllm.RapidProposer", "num
 TIMEOUT_S = 900
 
 
-@pytest.fixture(scope="module")
-def python():
-    found = vllm_python()
-    if found is None:
+@pytest.fixture(scope="module", autouse=True)
+def vllm_installed():
+    if vllm_python() is None:
         pytest.skip("vLLM's venv is not set up here (`make vllm`; `make test` runs it)")
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -39,24 +36,23 @@ def builtin_folder(tmp_path_factory):
     return export_model("builtin", tmp_path_factory.mktemp("vllm") / "builtin")
 
 
-def run_vllm(python, folder: Path, speculative_config, batches, max_tokens: int = 40) -> tuple[dict, str]:
+def run_vllm(folder: Path, speculative_config, batches, max_tokens: int = 40) -> tuple[dict, str]:
     """(the script's RESULT, vLLM's log) of one offline run."""
     job = {"folder": str(folder), "speculative_config": speculative_config, "batches": batches,
            "max_tokens": max_tokens, "document_tokens": 3000, "max_model_len": 4096}
-    done = subprocess.run([str(python), str(SCRIPT), json.dumps(job)], capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env=vllm_env())
+    done = run_in_vllm([str(SCRIPT), json.dumps(job)], TIMEOUT_S, stderr=subprocess.PIPE)
     log = done.stdout + done.stderr
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and found, log[-3000:]
     return json.loads(found[-1][len("RESULT "):]), log
 
 
-def test_greedy_answers_with_rapids_proposer_equal_vllms_own(python, builtin_folder):
+def test_greedy_answers_with_rapids_proposer_equal_vllms_own(builtin_folder):
     """Three questions at once, then one more: the answers equal vLLM's without speculation token for token,
     vLLM accepted drafts, and the first three requests' drafters were let go when the fourth ran."""
     batches = [list(BUILTIN_QUESTIONS[:3]), [BUILTIN_QUESTIONS[3]]]
-    plain, _ = run_vllm(python, builtin_folder, None, batches)
-    rapid, log = run_vllm(python, builtin_folder, RAPID, batches)
+    plain, _ = run_vllm(builtin_folder, None, batches)
+    rapid, log = run_vllm(builtin_folder, RAPID, batches)
     assert rapid["answers"] == plain["answers"]
     assert all(len(answer) > 0 for answer in plain["answers"])
     counters = rapid["counters"]

@@ -9,7 +9,10 @@ and never imports vLLM: commands reach vLLM through the venv's Python
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 from rapidspec.errors import RapidspecError
@@ -57,3 +60,22 @@ def vllm_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_KV_CACHE_GIB))
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     return env
+
+
+def run_in_vllm(args: list[str], timeout_s: float, stderr=None) -> subprocess.CompletedProcess:
+    """Run ``args`` with vLLM's Python (:func:`require_vllm_python`) in :func:`vllm_env`, stdout captured as text.
+
+    vLLM starts its engine in processes of their own, which outlive a killed parent: the command runs in a new
+    session, and the whole session is killed when it outlasts ``timeout_s`` (``subprocess.TimeoutExpired``
+    raised then, as ``subprocess.run`` does).
+    """
+    process = subprocess.Popen([str(require_vllm_python()), *args], stdout=subprocess.PIPE, stderr=stderr,
+                               text=True, env=vllm_env(), start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
