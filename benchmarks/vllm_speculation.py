@@ -51,7 +51,7 @@ def worker(job: dict) -> None:
     from rapidspec.conversation import Message, render, with_documents
 
     tokenizer = AutoTokenizer.from_pretrained(job["folder"])
-    llm = LLM(model=job["folder"], max_model_len=job["max_model_len"], enforce_eager=True,
+    llm = LLM(model=job["folder"], max_model_len=job["max_model_len"], enforce_eager=True, dtype=job["dtype"],
               speculative_config=job["speculative_config"], max_num_seqs=4, disable_log_stats=False, seed=0)
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"])
 
@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--dtype", default="auto", help="vLLM's dtype (auto: bfloat16 on CPUs that have it)")
     parser.add_argument("--out", help="JSONL file, one line per method (required)")
     args = parser.parse_args()
     if args.worker:
@@ -141,7 +142,7 @@ def main() -> None:
         records = [{"document": document, "question": q} for q in BUILTIN_QUESTIONS[: args.questions]]
     results, plain = [], None
     for method in args.methods.split(","):
-        job = {"folder": str(folder), "records": records, "max_tokens": args.max_tokens,
+        job = {"folder": str(folder), "records": records, "max_tokens": args.max_tokens, "dtype": args.dtype,
                "max_model_len": args.max_model_len,
                "speculative_config": speculative_config(method, str(folder), args.num_speculative_tokens)}
         print(f"{method}: running ...", file=sys.stderr, flush=True)

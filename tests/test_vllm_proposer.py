@@ -177,3 +177,18 @@ def test_a_missing_vllm_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("RAPIDSPEC_VLLM_PYTHON", str(tmp_path / "none"))
     with pytest.raises(RapidspecError, match="make vllm"):
         require_vllm_python()
+
+
+def test_vllm_processes_get_a_small_kv_cache_and_intel_openmp(monkeypatch, tmp_path):
+    from rapidspec.vllm.environment import vllm_env
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    (tmp_path / "lib" / "libiomp5.so").write_text("")
+    monkeypatch.setenv("RAPIDSPEC_VLLM_PYTHON", str(tmp_path / "bin" / "python"))
+    env = vllm_env({"LD_PRELOAD": "/x/libtcmalloc.so"})
+    assert env["LD_PRELOAD"] == f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert vllm_env({"VLLM_CPU_KVCACHE_SPACE": "9", "LD_PRELOAD": "/y/libiomp5.so"}) == {
+        "VLLM_CPU_KVCACHE_SPACE": "9", "LD_PRELOAD": "/y/libiomp5.so", "VLLM_USE_V2_MODEL_RUNNER": "0"}
