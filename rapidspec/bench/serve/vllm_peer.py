@@ -21,9 +21,8 @@ longest prompt + the longest answer + K + a margin, ``--max-num-seqs`` the
 load's concurrency, ``--enforce-eager`` (no graphs to capture on a CPU) and
 the OpenMP threads of rapidspec's run (``VLLM_CPU_OMP_THREADS_BIND`` on the
 first cores this process may use, none kept back for its scheduler:
-``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), with the Intel OpenMP library of vLLM's
-venv in ``LD_PRELOAD`` (vLLM warns that speculation on a CPU is much slower
-without it). Its counters (:data:`VLLM_COUNTERS`) are
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), and what ``vllm_env`` sets (the Intel
+OpenMP library of vLLM's venv in ``LD_PRELOAD``, among others). Its counters (:data:`VLLM_COUNTERS`) are
 read from ``/metrics`` before and after the load: drafted, accepted tokens and
 drafting rounds give the acceptance rate and the mean accepted length.
 """
@@ -141,10 +140,6 @@ class VllmPeerConfig:
         if cores:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        iomp = self.python.parent.parent / "lib" / "libiomp5.so"  # Intel's OpenMP, shipped in vLLM's venv
-        preload = env.get("LD_PRELOAD", "")
-        if iomp.is_file() and "libiomp" not in preload:  # vLLM: speculation on a CPU is much slower without it
-            env["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
         return env
 
 
