@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from rapidspec import Rapid
 from rapidspec.errors import RapidspecError
 from rapidspec.models.spec import ModelSpec
 from rapidspec.retrieval import RetrievalConfig
-from rapidspec.runtime.gguf_copy import copy_path, copy_type, weight_type
+from rapidspec.runtime.gguf_copy import copy_path, copy_type, model_name, weight_type, weights_label
 from rapidspec.runtime.llama_cpp import llama_cpp_available
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -40,15 +41,28 @@ def q4_1_file(tiny_model, tmp_path_factory):
 
 
 def test_weight_types_read_from_llama_cpp_descriptions():
-    assert weight_type("llama 256M Q4_1") == "Q4_1"
+    assert weight_type("llama 256M Q4_1") == "Q4_1" and weight_type("qwen2 1B Q4_K - Medium") == "Q4_K - Medium"
     assert copy_type("llama 256M Q4_1") == "Q8_0"
     assert copy_type("qwen2 1B Q4_K - Medium") is None and copy_type("llama ?B all F32") is None
+    assert weights_label("llama 256M Q8_0", "llama 256M Q4_1") == "Q8_0 copy of Q4_1"
+
+
+@pytest.mark.parametrize("file, name", [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),  # the built-in model
+    ("Qwen2.5-Coder-0.5B-Instruct.gguf", "Qwen2.5-Coder-0.5B-Instruct"),
+    ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct"),
+    ("Llama-3.2-1B-Instruct-IQ4_XS.gguf", "Llama-3.2-1B-Instruct"),
+    ("tiny-f32.gguf", "tiny"),
+    ("Q8_0.gguf", "Q8_0"),
+])
+def test_a_drafter_is_named_by_its_file_without_the_weight_type(file, name):
+    assert model_name(Path(file)) == name
 
 
 def test_a_q4_1_drafter_reads_its_q8_0_copy_made_once(tiny_model, q4_1_file, tmp_path, monkeypatch):
     monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path))
     engine = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
-    assert "Q8_0, from Q4_1" in engine.drafter_label
+    assert engine.drafter_label.endswith("(llama.cpp, tiny, Q8_0 copy of Q4_1)")
     copy = copy_path(q4_1_file, "Q8_0")
     assert copy.is_file() and copy.parent.parent == tmp_path
     written = copy.stat().st_mtime_ns
@@ -64,7 +78,7 @@ def test_a_q4_1_drafter_reads_its_q8_0_copy_made_once(tiny_model, q4_1_file, tmp
 def test_as_is_reads_the_file_itself(tiny_model, q4_1_file, tmp_path, monkeypatch):
     monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path))
     engine = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="as-is")
-    assert engine.drafter_label.endswith("Q4_1)")
+    assert engine.drafter_label.endswith("(llama.cpp, tiny, Q4_1)")
     assert not (tmp_path / "gguf-copies").exists()
 
 

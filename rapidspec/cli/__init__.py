@@ -6,7 +6,8 @@ function ``handler(args) -> int`` returning the exit code. Two-word commands
 (``rapidspec bench serve``) are parsers named with a dash (``bench-serve``);
 ``main`` joins the words before parsing. User mistakes raise
 :class:`rapidspec.errors.RapidspecError`; ``main`` prints them as one line and
-exits with code 2.
+exits with code 2. Mistakes argparse finds (an invalid choice, an unknown
+option) are one line too (:class:`Parser`), without the usage block.
 """
 
 from __future__ import annotations
@@ -25,12 +26,22 @@ COMMANDS = ("generate", "chat", "serve", "demo", "retrieve", "bench", "bench_ser
 TWO_WORD_COMMANDS = {("bench", "serve"): "bench-serve"}
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, as ``main`` prints a RapidspecError: the usage block of a
+    command runs to 30 lines, above the one that says what is wrong (``--help`` still shows it). Its
+    subcommands' parsers are of this class too (``add_subparsers`` makes them of their parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rapidspec",
         description="Long-context inference with retrieval-augmented speculative decoding (RAPID).",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log progress at INFO level, with transformers' model-loading bars and llama.cpp's warnings")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"rapidspec.cli.{name}").register(subparsers)
@@ -70,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    # llama.cpp's own warnings are about the model file, not about what the user asked (rapidspec.runtime.llama_log).
+    logging.getLogger("llama.cpp").setLevel(logging.INFO if args.verbose else logging.ERROR)
     if not getattr(args, "handler", None):
         parser.print_help(sys.stderr)
         return 2

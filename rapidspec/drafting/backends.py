@@ -198,7 +198,7 @@ class LlamaCppDrafters(DrafterPool):
                  gguf: str = "auto") -> None:
         """``gguf``: ``auto`` reads a fast-prefill copy of a file whose weights have none
         (:mod:`rapidspec.runtime.gguf_copy`), ``as-is`` the file itself."""
-        from rapidspec.runtime.gguf_copy import copy_type, fast_prefill_copy, weight_type
+        from rapidspec.runtime.gguf_copy import copy_type, fast_prefill_copy, model_name, weights_label
         from rapidspec.runtime.llama_cpp import LlamaCppModel
 
         super().__init__(keep)
@@ -206,17 +206,19 @@ class LlamaCppDrafters(DrafterPool):
             self.model = LlamaCppModel(gguf_path, threads=threads)
         except ValueError as exc:
             raise RapidspecError(f"cannot use {gguf_path} as a llama.cpp drafter: {exc}") from None
-        description, kind = self.model.description, copy_type(self.model.description)
+        weights, kind = weights_label(self.model.description), copy_type(self.model.description)
         if gguf == "auto" and kind is not None:
             try:
                 copy = fast_prefill_copy(gguf_path, kind, threads)  # None: the cache cannot take it (logged once)
                 if copy is not None:
+                    source = self.model.description
                     self.model = LlamaCppModel(copy, threads=threads)
-                    description = f"{self.model.description}, from {weight_type(description)}"
+                    weights = weights_label(self.model.description, source)
             except (ValueError, OSError) as exc:
                 logger.warning("reading %s as it is: no %s copy for fast prefill (%s)", gguf_path, kind, exc)
         check_llama_vocabulary(target_tokenizer, self.model)
-        self.label = f"{name} (llama.cpp, {description})"
+        # e.g. "self (llama.cpp, SmolLM2-135M-Instruct, Q8_0 copy of Q4_1)"
+        self.label = f"{name} (llama.cpp, {model_name(gguf_path)}, {weights})"
         self.max_context = self.model.max_context
         self.logit_width = self.model.vocab_size
 

@@ -101,7 +101,7 @@ class DrafterFactory:
 
     @property
     def label(self) -> str:
-        """What drafts by default, e.g. ``self (llama.cpp, llama 256M Q4_1)``."""
+        """What drafts by default, e.g. ``self (llama.cpp, SmolLM2-135M-Instruct, Q8_0 copy of Q4_1)``."""
         return self.pool(self.backend).label
 
     def pool(self, backend: str):

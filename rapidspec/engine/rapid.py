@@ -139,7 +139,7 @@ class Rapid:
 
     @property
     def drafter_label(self) -> str:
-        """What drafts by default, e.g. ``self (llama.cpp, llama 256M Q4_1)``."""
+        """What drafts by default, e.g. ``self (llama.cpp, SmolLM2-135M-Instruct, Q8_0 copy of Q4_1)``."""
         return self.drafting.label
 
     @property

@@ -37,6 +37,7 @@ import torch
 
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.cache_dir import cache_root, cache_write, remove_quietly
+from rapidspec.runtime.progress_bars import loading_bars
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +120,13 @@ def _remove_scratch(scratch: Path | None) -> None:
 
 
 def _read_gguf(gguf_path: Path, dtype: torch.dtype):
-    """(model, tokenizer) de-quantized from ``gguf_path`` by transformers (which shows a progress bar)."""
+    """(model, tokenizer) de-quantized from ``gguf_path`` by transformers (which shows a progress bar of the
+    de-quantization)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
+        with loading_bars():
+            model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (ValueError, KeyError, OSError, struct.error, EOFError) as exc:  # a truncated or foreign file
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

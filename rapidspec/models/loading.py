@@ -45,6 +45,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.models.conversion import gguf_cache_dir, gguf_conversion  # noqa: F401  (gguf_cache_dir: public here too)
 from rapidspec.runtime.cache_dir import cache_root
 from rapidspec.runtime.errors import QuantizationError
+from rapidspec.runtime.progress_bars import loading_bars
 from rapidspec.runtime.quantization import check_quantization, quantize_linears, quantized_copy
 from rapidspec.models.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
 
@@ -167,7 +168,8 @@ def _load_pretrained(
         kwargs["device_map"] = device_map
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        with loading_bars():
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RapidspecError(

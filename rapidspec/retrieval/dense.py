@@ -29,6 +29,7 @@ import numpy as np
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval.config import BUILTIN_EMBEDDER
 from rapidspec.retrieval.embedding_store import EmbeddingStore, embedder_fingerprint
+from rapidspec.runtime.progress_bars import loading_bars
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def load_embedder(name: str = BUILTIN_EMBEDDER, device: str | None = None, dtype
 
     logger.info("loading embedder %s", path)
     try:
-        embedder = SentenceTransformer(path, device=device, local_files_only=True)
+        with loading_bars():
+            embedder = SentenceTransformer(path, device=device, local_files_only=True)
     except (OSError, ValueError, RuntimeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise RapidspecError(f"embedding model {name!r} not available offline: {first}") from err

@@ -23,7 +23,10 @@ Modules:
 * :mod:`~rapidspec.runtime.native_dtype`: the dtype a device computes in
   natively (bfloat16 or float32), for models and the retrieval embedder.
 * :mod:`~rapidspec.runtime.llama_cpp` and :mod:`~rapidspec.runtime.gguf_copy`:
-  GGUF models on llama.cpp, and the fast-prefill copy of a Q4_1 file.
+  GGUF models on llama.cpp, and the fast-prefill copy of a Q4_1 file;
+  :mod:`~rapidspec.runtime.llama_log` sends llama.cpp's log to ``logging``.
+* :mod:`~rapidspec.runtime.progress_bars`: transformers' model-loading bars
+  only where the caller asked for progress.
 * :mod:`~rapidspec.runtime.batching`: several generations' forwards as one.
 * :mod:`~rapidspec.runtime.threads`: the one thread of a process that uses
   torch's (OpenMP) threads.

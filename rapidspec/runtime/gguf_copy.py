@@ -26,6 +26,7 @@ import ctypes
 import errno
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -40,8 +41,31 @@ DRAFTER_GGUF_CHOICES = ("auto", "as-is")
 
 
 def weight_type(description: str) -> str:
-    """The weight type in a llama.cpp model description such as ``llama 256M Q4_1``."""
-    return description.rsplit(" ", 1)[-1]
+    """The weight type in a llama.cpp model description (architecture, size, type): ``Q4_1`` in
+    ``llama 256M Q4_1``, ``Q4_K - Medium`` in ``qwen2 1B Q4_K - Medium``."""
+    return description.split(" ", 2)[-1]
+
+
+#: A weight type closing a GGUF file's name: ``.Q4_1`` in ``SmolLM2-135M-Instruct.Q4_1``, ``-q4_k_m``, ``-F16``.
+_TYPE_IN_NAME = re.compile(r"[.\-_](?:I?Q\d\w*|B?F16|F32)$", re.IGNORECASE)
+
+
+def model_name(path: Path) -> str:
+    """The model a GGUF file holds, by the file's name without its weight type: ``SmolLM2-135M-Instruct`` for
+    ``SmolLM2-135M-Instruct.Q4_1.gguf``.
+
+    Not the file's ``general.name``: the built-in model's reads ``Smollm2 135M 8k Lc100K Mix1 Ep2`` (its training
+    run), Qwen2.5-Coder 0.5B's ``Qwen2.5 Coder 0.5B Instruct AWQ``. Nor llama.cpp's description, which gives the
+    architecture and a size it guesses from the layer count (``llama 256M`` for the 135M model, ``qwen2 1B`` for
+    the 0.5B one).
+    """
+    return _TYPE_IN_NAME.sub("", path.stem) or path.stem
+
+
+def weights_label(description: str, source_description: str | None = None) -> str:
+    """The weight type of a llama.cpp model (``Q4_1``), or of its fast-prefill copy (``Q8_0 copy of Q4_1``)."""
+    kind = weight_type(description)
+    return kind if source_description is None else f"{kind} copy of {weight_type(source_description)}"
 
 
 def copy_type(description: str) -> str | None:
@@ -75,8 +99,9 @@ def _quantize(source: Path, partial: Path, kind: str, threads: int) -> None:
     take a file fails first, on creating it, and a status with less room left
     than ``source`` takes is a full disk (``OSError`` ENOSPC).
     """
-    import llama_cpp as ll
+    from rapidspec.runtime.llama_cpp import bindings
 
+    ll = bindings()
     partial.touch(exist_ok=False)  # read-only or not writable: OSError here, with its errno
     params = ll.llama_model_quantize_default_params()
     params.ftype = getattr(ll, f"LLAMA_FTYPE_MOSTLY_{kind}")

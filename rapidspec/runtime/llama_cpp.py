@@ -37,6 +37,7 @@ import torch
 
 from rapidspec.runtime.batching import current_batcher
 from rapidspec.runtime.cache import HeldTokens
+from rapidspec.runtime.llama_log import route_llama_log
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,11 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def _bindings():
+def bindings():
+    """The ``llama_cpp`` module, with llama.cpp's log sent to Python's logging (:mod:`.llama_log`)."""
     import llama_cpp
 
-    quiet = logging.getLogger("llama-cpp-python")
-    if quiet.level == logging.NOTSET:  # llama-cpp-python prints every load line unless told otherwise
-        quiet.setLevel(logging.ERROR)
+    route_llama_log(llama_cpp)
     return llama_cpp
 
 
@@ -90,7 +90,7 @@ class LlamaCppModel:
     def __init__(self, path: str | Path, threads: int = 2, flash_attention: bool = False) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        ll = _bindings()
+        ll = bindings()
         self._ll = ll
         self.path = Path(path)
         self.threads = threads

@@ -1,0 +1,116 @@
+"""A quiet terminal: no model-loading bars or llama.cpp log unless asked for, one-line argparse mistakes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from rapidspec.cli import build_parser, main
+from rapidspec.models.loading import builtin_gguf_path, load_model
+from rapidspec.runtime.llama_cpp import llama_cpp_available
+
+# ---------------------------------------------------------------- transformers' bars
+
+
+def test_a_model_loads_without_bars_unless_logging_asks(tiny_model_dir, capfd, caplog):
+    load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    assert "Loading weights" not in capfd.readouterr().err
+    caplog.set_level(logging.INFO, logger="rapidspec")
+    load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    assert "Loading weights" in capfd.readouterr().err
+
+
+def test_the_cli_shows_loading_bars_with_verbose_only(tiny_model_dir, tmp_path):
+    document = tmp_path / "doc.txt"
+    document.write_text("The cat is called Biscuit.\n\n" * 5, encoding="utf-8")
+    command = [sys.executable, "-m", "rapidspec", "generate", "--target", str(tiny_model_dir), "--dtype", "float32",
+               "--device", "cpu", "--mode", "lc", "--document", str(document), "--question", "Cat?",
+               "--max-new-tokens", "2"]
+    for verbose in (False, True):
+        run = subprocess.run(command[:3] + ["-v"] * verbose + command[3:], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert ("Loading weights" in run.stderr) == verbose, run.stderr
+
+
+# ---------------------------------------------------------------- llama.cpp's log
+
+needs_llama_cpp = pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed")
+
+
+@needs_llama_cpp
+def test_llama_cpp_logs_to_logging_not_to_stderr(capfd, caplog):
+    from rapidspec.runtime.llama_cpp import LlamaCppModel
+
+    capfd.readouterr()
+    LlamaCppModel(builtin_gguf_path(), threads=1).new_context(64)
+    assert capfd.readouterr().err == ""
+    with caplog.at_level(logging.DEBUG, logger="llama.cpp"):
+        LlamaCppModel(builtin_gguf_path(), threads=1).new_context(64)
+    assert capfd.readouterr().err == ""
+    lines = [r.getMessage() for r in caplog.records if r.name == "llama.cpp"]
+    assert any("llama_model_loader" in line for line in lines) and all(line == line.strip() for line in lines)
+
+
+def test_harmless_llama_cpp_warnings_are_info_the_rest_warnings(caplog):
+    from rapidspec.runtime.llama_log import on_log
+
+    with caplog.at_level(logging.DEBUG, logger="llama.cpp"):
+        on_log(3, b"load: control-looking token: 128247 '</s>' was not control-type; this is probably a bug\n", None)
+        on_log(3, b"llama_context: something else\n", None)
+        on_log(4, b"llama_model_load: error loading model\n", None)
+        on_log(2, b"print_info: file type   = Q4_1\n", None)
+        on_log(5, b".", None)
+        on_log(5, b"\n", None)  # an empty continuation: no record
+    assert [(r.levelno, r.getMessage()[:20]) for r in caplog.records] == [
+        (logging.INFO, "load: control-lookin"),
+        (logging.WARNING, "llama_context: somet"),
+        (logging.ERROR, "llama_model_load: er"),
+        (logging.DEBUG, "print_info: file typ"),
+        (logging.DEBUG, "."),
+    ]
+
+
+def test_the_cli_shows_llama_cpp_warnings_with_verbose_only(tmp_path, monkeypatch):
+    llama_log = logging.getLogger("llama.cpp")
+    monkeypatch.setattr(llama_log, "level", llama_log.level)  # restored after the test
+    for verbose, level in ((False, logging.ERROR), (True, logging.INFO)):
+        main(["-v"] * verbose + ["retrieve", "--document", str(tmp_path / "missing.txt"), "--question", "q"])
+        assert llama_log.level == level
+
+
+# ---------------------------------------------------------------- argparse mistakes
+
+
+def _choice_arguments() -> list[tuple[str, list[str]]]:
+    """(command, arguments with an invalid choice) for every subcommand that has an argument with choices."""
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    cases = []
+    for name, sub in commands.choices.items():
+        action = next((a for a in sub._actions if a.choices), None)
+        if action is not None:
+            cases.append((name, [action.option_strings[0], "fast"] if action.option_strings else ["fast"]))
+    return cases
+
+
+@pytest.mark.parametrize("command, arguments", _choice_arguments())
+def test_an_invalid_choice_is_one_line(command, arguments, capsys):
+    words = command.split("-")  # bench-serve is `rapidspec bench serve`
+    with pytest.raises(SystemExit) as exit_info:
+        main([*words, *arguments])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2
+    assert len(err.splitlines()) == 1 and "invalid choice: 'fast' (choose from" in err, err
+    assert err.startswith(f"rapidspec {' '.join(words)}: error: argument ")
+
+
+def test_an_unknown_command_and_a_missing_argument_are_one_line(capsys):
+    for argv in (["fly"], ["generate", "--question", "q"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "error:" in err, err
