@@ -81,8 +81,11 @@ def worker(job: dict) -> None:
 def run_method(job: dict, log: Path) -> list[dict]:
     from rapidspec.vllm.environment import run_in_vllm
 
+    job_file = log.with_suffix(".job.json")  # a long document does not fit in a command line
+    job_file.write_text(json.dumps(job), encoding="utf-8")
     with log.open("w") as handle:
-        done = run_in_vllm([__file__, "--worker", json.dumps(job)], 3600, stderr=handle)
+        done = run_in_vllm([__file__, "--worker", str(job_file)], 3600, stderr=handle)
+    job_file.unlink()
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not found:
         raise SystemExit(f"vLLM failed ({job['speculative_config']}): see {log}")
@@ -118,7 +121,7 @@ def main() -> None:
     parser.add_argument("--out", help="JSONL file, one line per method (required)")
     args = parser.parse_args()
     if args.worker:
-        worker(json.loads(args.worker))
+        worker(json.loads(Path(args.worker).read_text(encoding="utf-8")))
         return
     if not args.out:
         parser.error("--out is required")

@@ -89,6 +89,48 @@ def test_the_step_cost_line_fits_base_and_slope():
     assert StepClock().costs().draft_step == 0.0  # nothing measured: drafting is free
 
 
+def test_steps_with_and_without_drafts_are_measured_apart(monkeypatch):
+    clock, now = StepClock(), [0.0]
+    monkeypatch.setattr("rapidspec.vllm.costs.time.perf_counter", lambda: now[0])
+    for drafts, seconds in [(False, 0.1), (True, 0.3), (False, 0.1), (True, 0.3)]:
+        clock.step_ended(7 if drafts else 1, drafts)
+        now[0] += seconds
+        clock.step_started()
+    assert clock.plain_step() == pytest.approx(0.1)
+    assert clock.costs().verify(7) == pytest.approx(0.3)
+
+
+class CountingDrafter:
+    """A drafter that proposes ``k`` copies of token 1 and counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls, self.sequence = 0, [0]
+
+    def commit(self, emitted):
+        self.sequence += emitted
+
+    def propose(self, k, config, generator, stop_tokens):
+        from rapidspec.drafting.drafter import Proposal
+
+        self.calls += 1
+        return Proposal([1] * k, None, k)
+
+
+@pytest.mark.parametrize("plain_step, drafts", [(0.05, 0), (0.5, 4), (None, 4)])
+def test_a_round_is_dropped_where_a_plain_step_gives_more(plain_step, drafts):
+    """Acceptance near the prior (0.5), drafting free, a 4-draft round verified in 0.2 s: about 1.9 tokens a
+    round, 9.7 a second; a plain step of 0.05 s gives 20 (no drafts), of 0.5 s 2 (draft); unmeasured: draft."""
+    from rapidspec.drafting.gamma_schedule import CostSchedule, StepCosts
+    from rapidspec.vllm.requests import RequestDrafts
+
+    costs = StepCosts(0.0, 0.2, 0.0)
+    drafter = CountingDrafter()
+    request = RequestDrafts(np.array([5, 6, 7]), 2, drafter, CostSchedule(4, 4, 0.0, costs))
+    request.schedule.rounds = 1  # past the first round, which always drafts
+    proposal = request.propose(4, None, None, frozenset(), costs, plain_step)
+    assert len(proposal.tokens) == drafts and drafter.calls == (1 if drafts else 0)
+
+
 def greedy(model, ids: list[int], count: int) -> list[int]:
     """Up to ``count`` greedy tokens after ``ids``, each from a forward over the whole sequence (no cache); none
     after an EOS (nothing follows it)."""

@@ -4,11 +4,15 @@ rapidspec's own engine calibrates its target's forward before it decodes
 (:mod:`rapidspec.drafting.calibration`); inside vLLM the target is vLLM's, so
 its cost is measured from outside: a vLLM step is the time from the end of
 one ``propose`` call to the start of the next (its forward over every running
-request's drafts, and its sampling), fitted as ``base + per_token * n`` over
-the tokens ``n`` it verified (least squares, recent steps weighing most).
-A drafter forward's cost is the drafting time over the forwards it took.
-Before anything is measured drafting is taken as free, so the first steps
-draft as many tokens as vLLM takes.
+request's drafts, and its sampling). Steps that verify drafts are fitted as
+``base + per_token * n`` over the tokens ``n`` they verify (least squares,
+recent steps weighing most); steps without drafts are averaged apart, since
+a step that verifies several tokens of a request can cost far more than a
+plain one (vLLM 0.32 on a 2-core CPU: 90 ms for one token of the built-in
+model at 7K tokens, about 150-300 ms with drafts). A drafter forward's cost
+is the drafting time over the forwards it took. Before anything is measured
+drafting is taken as free, so the first steps draft as many tokens as vLLM
+takes.
 
 Unlike rapidspec's calibrated costs these follow the machine's load, so the
 number of drafts of a step can differ between two runs of one request; the
@@ -50,21 +54,31 @@ class StepClock:
     """Measures vLLM's steps and the drafter's forwards (module docstring)."""
 
     def __init__(self) -> None:
-        self.verify = DecayedLine()
+        self.verify = DecayedLine()  # steps that verify drafts
+        self.plain = self.plain_weight = 0.0  # decayed sums of the seconds and count of steps without drafts
         self.draft_seconds = self.draft_forwards = 0.0  # decayed sums
         self._step_ended: float | None = None  # when the last propose call returned
         self._verified = 0  # tokens the step after it verifies: one per request, plus its drafts
+        self._drafts = False  # whether that step verifies any draft
 
     def step_started(self) -> None:
         """A propose call begins: the vLLM step since the last one ends."""
         now = time.perf_counter()
         if self._step_ended is not None and self._verified > 0:
-            self.verify.add(self._verified, now - self._step_ended)
+            if self._drafts:
+                self.verify.add(self._verified, now - self._step_ended)
+            else:
+                self.plain = DECAY * self.plain + now - self._step_ended
+                self.plain_weight = DECAY * self.plain_weight + 1
         self._step_ended = None
 
-    def step_ended(self, verified: int) -> None:
-        """A propose call returns; vLLM's next step verifies ``verified`` tokens."""
-        self._step_ended, self._verified = time.perf_counter(), verified
+    def step_ended(self, verified: int, drafts: bool) -> None:
+        """A propose call returns; vLLM's next step verifies ``verified`` tokens, drafts among them or not."""
+        self._step_ended, self._verified, self._drafts = time.perf_counter(), verified, drafts
+
+    def plain_step(self) -> float | None:
+        """Seconds of a step without drafts, None before one was measured."""
+        return self.plain / self.plain_weight if self.plain_weight else None
 
     def drafted(self, forwards: int, seconds: float) -> None:
         if forwards > 0:

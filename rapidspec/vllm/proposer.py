@@ -109,7 +109,7 @@ class RapidProposer:
                 slot_mappings=None) -> list[list[int]]:
         """One list of draft token ids per row of vLLM's batch (module docstring)."""
         self.clock.step_started()
-        costs = self.clock.costs()
+        costs, plain_step = self.clock.costs(), self.clock.plain_step()
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         taken: set[int] = set()
         verified = 0
@@ -131,10 +131,10 @@ class RapidProposer:
             room = self.max_model_len - length - 1
             if not sampled or room <= 0 or request.drafter is None:
                 continue
-            drafts[row] = self._draft(request, min(self.most, room), costs)
+            drafts[row] = self._draft(request, min(self.most, room), costs, plain_step)
             verified += len(drafts[row])
         self._finish(taken)
-        self.clock.step_ended(verified)
+        self.clock.step_ended(verified, any(drafts))
         return drafts
 
     def _start(self, tokens: np.ndarray, prompt_tokens: int) -> RequestDrafts:
@@ -167,7 +167,7 @@ class RapidProposer:
             self._warn(f"{type(err).__name__}: {err}", "a request gets no drafts")
             return None
 
-    def _draft(self, request: RequestDrafts, most: int, costs) -> list[int]:
+    def _draft(self, request: RequestDrafts, most: int, costs, plain_step: float | None) -> list[int]:
         capacity = getattr(request.drafter.cache, "capacity", None)
         if capacity is not None:
             most = min(most, capacity - len(request.drafter.sequence) - 1)
@@ -175,7 +175,7 @@ class RapidProposer:
             return []
         started = time.perf_counter()
         try:
-            proposal = request.propose(most, self.config, self.generator, self.stop_tokens, costs)
+            proposal = request.propose(most, self.config, self.generator, self.stop_tokens, costs, plain_step)
         except Exception as err:  # noqa: BLE001  (as in _start: no drafts for this request from now on)
             self._warn(f"{type(err).__name__}: {err}", "a request's drafter stopped")
             request.drafter.close(keep=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from rapidspec.drafting.drafter import NO_PROPOSAL
-from rapidspec.drafting.gamma_schedule import CostSchedule, StepCosts
+from rapidspec.drafting.gamma_schedule import CostSchedule, StepCosts, expected_round_seconds, expected_tokens
 from rapidspec.runtime.cache import common_prefix_length
 from rapidspec.stats import RoundRecord
 
@@ -70,13 +70,20 @@ class RequestDrafts:
             cache = self.drafter.cache  # keep only what matches the committed tokens (a draft vLLM did not keep)
             cache.crop(min(cache.length, common_prefix_length(cache.token_ids, self.drafter.sequence)))
 
-    def propose(self, most: int, config, generator, stop_tokens: frozenset[int], costs: StepCosts):
+    def propose(self, most: int, config, generator, stop_tokens: frozenset[int], costs: StepCosts,
+                plain_step: float | None = None):
         """A :class:`~rapidspec.drafting.drafter.Proposal` of up to ``most`` drafts after the tokens seen (fewer
-        where the schedule expects a round not to pay)."""
+        where the schedule expects a round not to pay). ``plain_step``: seconds of a vLLM step without drafts
+        (:mod:`.costs`): a round the schedule chose, other than a probe, is dropped when a plain step is expected
+        to give more tokens per second."""
         k = most
         if self.schedule is not None:
             self.schedule.costs = costs
             k = min(most, self.schedule.next_drafts())
+            if k > 0 and plain_step is not None and not self.schedule.probed:
+                acceptance = self.schedule.acceptance()
+                rate = expected_tokens(acceptance, k) / expected_round_seconds(k, acceptance, costs, False)
+                k = 0 if rate * plain_step < 1 else k
         proposal = self.drafter.propose(k, config, generator, stop_tokens) if k > 0 else NO_PROPOSAL
         self.drafts = proposal.tokens
         return proposal
