@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from rapidspec.cli import build_parser, main
+from rapidspec.errors import RapidspecError
 from rapidspec.models.loading import builtin_gguf_path, load_model
 from rapidspec.runtime.llama_cpp import llama_cpp_available
 
@@ -17,6 +18,7 @@ from rapidspec.runtime.llama_cpp import llama_cpp_available
 
 
 def test_a_model_loads_without_bars_unless_logging_asks(tiny_model_dir, capfd, caplog):
+    caplog.set_level(logging.WARNING, logger="rapidspec")
     load_model(str(tiny_model_dir), dtype="float32", device="cpu")
     assert "Loading weights" not in capfd.readouterr().err
     caplog.set_level(logging.INFO, logger="rapidspec")
@@ -53,6 +55,22 @@ def test_llama_cpp_logs_to_logging_not_to_stderr(capfd, caplog):
     assert capfd.readouterr().err == ""
     lines = [r.getMessage() for r in caplog.records if r.name == "llama.cpp"]
     assert any("llama_model_loader" in line for line in lines) and all(line == line.strip() for line in lines)
+
+
+@needs_llama_cpp
+def test_qwen_s_control_token_warning_is_info(capfd, caplog):
+    from rapidspec.runtime.llama_cpp import LlamaCppModel
+
+    try:
+        path = builtin_gguf_path("builtin:qwen2.5-coder-0.5b")
+    except RapidspecError:
+        pytest.skip("Qwen2.5-Coder 0.5B is not installed")
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="llama.cpp"):
+        LlamaCppModel(path, threads=1)
+    assert capfd.readouterr().err == ""
+    (record,) = [r for r in caplog.records if "control-looking token" in r.getMessage()]
+    assert record.levelno == logging.INFO and record.name == "llama.cpp"
 
 
 def test_harmless_llama_cpp_warnings_are_info_the_rest_warnings(caplog):
