@@ -9,7 +9,7 @@ lc" answers the same question beside it. The page's own timings (first token
 painted, longest gap between painted rounds) are printed against the API's.
 With ``RAPIDSPEC_SCREENSHOTS=DIR`` the test saves a screenshot of the answer
 there (docs/page.png was taken so). Skipped, with the reason, where Chromium
-or its driver is not installed (``make install`` installs them where apt can).
+or its driver is not installed (``make test`` installs them where apt can).
 """
 
 from __future__ import annotations
