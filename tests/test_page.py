@@ -1,8 +1,9 @@
 """The page at ``/`` in a real browser: Debian's headless Chromium driven through its chromedriver (selenium).
 
 Against a live server on 127.0.0.1 with an API key, on the built-in model:
-the page loads with no console errors; a wrong key is refused with a
-readable message; a question about the built-in document streams an answer
+the page loads with no console errors; empty, it says what it shows and how
+to start, and shows the colour legend only once there is an answer; a wrong
+key is refused with a readable message; a question about the built-in document streams an answer
 whose tokens are marked (at least one accepted draft); the retrieved chunk
 holding the planted fact is highlighted in the document view; "compare with
 lc" answers the same question beside it. The page's own timings (first token
@@ -89,6 +90,19 @@ def test_a_wrong_key_is_refused_with_a_readable_message(browser, server):
     assert "401" in message and "API key" in message, message
 
 
+def test_the_empty_page_says_what_it_shows_and_how_to_start(browser, server):
+    browser.get(f"{server}/")
+    intro, legend = browser.find_element("id", "intro"), browser.find_element("id", "legend")
+    assert intro.is_displayed() and "RAPID" in intro.text and "To start" in intro.text, intro.text
+    assert not legend.is_displayed()  # no answer to colour yet
+    browser.execute_script("messageView('user', 'q'); messageView('assistant'); showEmptyState()")
+    assert legend.is_displayed() and not intro.is_displayed()
+    browser.find_element("id", "clear").click()  # a new conversation is empty again
+    assert intro.is_displayed() and not legend.is_displayed()
+    if folder := os.environ.get("RAPIDSPEC_SCREENSHOTS"):
+        browser.save_screenshot(str(Path(folder) / "page_empty.png"))
+
+
 def test_an_answer_streams_with_its_tokens_marked_and_the_chunk_highlighted(browser, server, item):
     browser.get(f"{server}/")
     browser.execute_script(f"localStorage.setItem('rapidspec-api-key', {json.dumps(KEY)})")
@@ -112,6 +126,7 @@ def test_an_answer_streams_with_its_tokens_marked_and_the_chunk_highlighted(brow
     rapid, lc = runs
     assert rapid["mode"] == "rapid" and lc["mode"] == "lc" and rapid["tokens"] > 0 and lc["tokens"] > 0
     assert browser.find_elements("css selector", ".answers.two .tok.accepted"), rapid["kinds"]
+    assert browser.find_element("id", "legend").is_displayed() and not browser.find_element("id", "intro").is_displayed()
     marks = browser.find_elements("css selector", "#docview mark.chunk")
     assert marks and any("Lisbon" in m.text for m in marks), [m.text[:80] for m in marks]
     stats = browser.find_element("css selector", ".stats").text

@@ -253,6 +253,13 @@ function showStats(view, run) {
   view.stats.append(timeline, legend);
 }
 
+// Before the first question the page says what it shows and how to start; the colour legend waits for an answer.
+function showEmptyState() {
+  const conversation = $("conversation");
+  $("intro").hidden = conversation.children.length > 0;
+  $("legend").hidden = !conversation.querySelector(".message.assistant");
+}
+
 function markTurnsRead(turns) {
   const views = $("conversation").querySelectorAll(".message");
   views.forEach((v) => v.classList.remove("read-by-drafter"));
@@ -274,6 +281,7 @@ async function send(event) {
   messageView("user", question);
   $("question").value = "";
   const box = messageView("assistant");
+  showEmptyState();
   const answers = document.createElement("div");
   const comparing = $("compare").checked && $("mode").value !== "lc";
   answers.className = comparing ? "answers two" : "answers";
@@ -299,6 +307,7 @@ async function send(event) {
   } catch (err) {
     state.messages.pop();
     box.remove();
+    showEmptyState();
     showError("the answer failed: " + err.message);
   } finally {
     state.busy = false;
@@ -331,7 +340,12 @@ function init() {
     link.click();
     URL.revokeObjectURL(link.href);
   });
-  $("clear").addEventListener("click", () => { state.messages = []; $("conversation").replaceChildren(); });
+  $("clear").addEventListener("click", () => {
+    state.messages = [];
+    $("conversation").replaceChildren();
+    showEmptyState();
+  });
+  showEmptyState();
   loadModels();
 }
 
