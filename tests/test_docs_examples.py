@@ -42,7 +42,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-VENV_BIN = Path(sys.executable).parent
+VENV_BIN = ROOT / ".venv" / "bin" if (ROOT / ".venv" / "bin" / "rapidspec").exists() else Path(sys.executable).parent
 LANGS = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python"}
 BLOCK_TIMEOUT_S = 300
 SERVER_START_S = 240
