@@ -232,5 +232,7 @@ def test_vllm_processes_get_a_small_kv_cache_and_intel_openmp(monkeypatch, tmp_p
     env = vllm_env({"LD_PRELOAD": "/x/libtcmalloc.so"})
     assert env["LD_PRELOAD"] == f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
-    assert vllm_env({"VLLM_CPU_KVCACHE_SPACE": "9", "LD_PRELOAD": "/y/libiomp5.so"}) == {
-        "VLLM_CPU_KVCACHE_SPACE": "9", "LD_PRELOAD": "/y/libiomp5.so", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"  # vLLM would keep one core of two for its scheduler
+    mine = {"VLLM_CPU_KVCACHE_SPACE": "9", "LD_PRELOAD": "/y/libiomp5.so", "VLLM_CPU_OMP_THREADS_BIND": "0",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert vllm_env(mine) == mine

@@ -53,13 +53,22 @@ def require_vllm_python() -> Path:
     return python
 
 
-def vllm_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment a vLLM process gets: ``base`` (the process's own by default) with a key/value cache that
-    fits this machine on CPU (:data:`DEFAULT_KV_CACHE_GIB`, unless set), vLLM's V1 model runner, and the Intel
-    OpenMP of vLLM's venv in ``LD_PRELOAD`` (vLLM warns that speculative decoding on an x86 CPU is much slower
-    without it)."""
+def vllm_env(base: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
+    """The environment a vLLM process gets: ``base`` (the process's own by default) with, unless set there:
+
+    * a key/value cache that fits this machine on CPU (:data:`DEFAULT_KV_CACHE_GIB`);
+    * vLLM's OpenMP threads on the first ``threads`` cores this process may use (all by default), none kept
+      back for its scheduler (vLLM keeps one by default: half of a 2-core machine);
+    * vLLM's V1 model runner;
+    * the Intel OpenMP of vLLM's venv in ``LD_PRELOAD`` (vLLM warns that speculative decoding on an x86 CPU is
+      much slower without it).
+    """
     env = dict(os.environ if base is None else base)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_KV_CACHE_GIB))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cores:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores[:threads])))
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     python = vllm_python()
     iomp = None if python is None else python.parent.parent / "lib" / "libiomp5.so"

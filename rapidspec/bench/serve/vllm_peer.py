@@ -30,7 +30,6 @@ drafting rounds give the acceptance rate and the mean accepted length.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -132,15 +131,10 @@ class VllmPeerConfig:
         return [str(self.python), "-m", API_SERVER, "--host", HOST, "--port", str(port), *self.args()]
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        """:func:`vllm_env` with rapidspec's threads on this process's first cores (unless already set)."""
+        """:func:`vllm_env` with rapidspec's threads (unless already set)."""
         from rapidspec.vllm.environment import vllm_env
 
-        env = vllm_env(base)
-        cores = sorted(os.sched_getaffinity(0))[:self.threads] if hasattr(os, "sched_getaffinity") else []
-        if cores:
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        return env
+        return vllm_env(base, threads=self.threads)
 
 
 class VllmServer(LocalServer):
