@@ -86,6 +86,8 @@ def run_method(job: dict, log: Path) -> list[dict]:
     with log.open("w") as handle:
         done = run_in_vllm([__file__, "--worker", str(job_file)], 3600, stderr=handle)
     job_file.unlink()
+    with log.open("a") as handle:  # vLLM's own log lines (the proposer's among them) go to stdout
+        handle.writelines(f"{line}\n" for line in done.stdout.splitlines() if not line.startswith("RESULT "))
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not found:
         raise SystemExit(f"vLLM failed ({job['speculative_config']}): see {log}")

@@ -11,7 +11,8 @@ every step with one row per running request: its tokens so far
 this step (empty: no drafts wanted, e.g. while its prompt is still being
 read). For each request the proposer:
 
-1. the first time it is seen, reads its prompt back into chat messages
+1. the first time it is seen (while vLLM still reads its prompt, when vLLM
+   reads it in chunks), reads its prompt back into chat messages
    (:mod:`.prompt_reading`), retrieves from its long context for its last user
    message exactly as ``rapidspec chat`` and ``rapidspec serve`` do
    (:func:`rapidspec.conversation.chat_prompts` in mode ``ragsd``) and
@@ -117,9 +118,7 @@ class RapidProposer:
             length = int(num_tokens_no_spec[row])
             tokens = np.asarray(token_ids_cpu[row, :length], dtype=np.int64)
             request = self.requests.match(tokens, taken)
-            if request is None:
-                if not sampled:
-                    continue  # its prompt is still being read
+            if request is None:  # new: its prompt is still being read (nothing sampled: prepared beside that) or done
                 request = self._start(tokens, length - len(sampled))
                 self.requests.add(request)
                 self.totals["requests"] += 1
