@@ -47,9 +47,12 @@ def run_vllm(folder: Path, speculative_config, batches, max_tokens: int = 40) ->
     return json.loads(found[-1][len("RESULT "):]), log
 
 
-def test_greedy_answers_with_rapids_proposer_equal_vllms_own(builtin_folder):
+def test_greedy_answers_with_rapids_proposer_equal_vllms_own(builtin_folder, monkeypatch):
     """Three questions at once, then one more: the answers equal vLLM's without speculation token for token,
-    vLLM accepted drafts, and the first three requests' drafters were let go when the fourth ran."""
+    vLLM accepted drafts, and the first three requests' drafters were let go when the fourth ran. The drafters
+    are prepared inline, so that every answer gets drafts however busy the machine (prepared beside vLLM's
+    steps, a short answer may end before its drafter is ready)."""
+    monkeypatch.setenv("RAPIDSPEC_VLLM_OPTIONS", '{"prepare": "inline"}')
     batches = [list(BUILTIN_QUESTIONS[:3]), [BUILTIN_QUESTIONS[3]]]
     plain, _ = run_vllm(builtin_folder, None, batches)
     rapid, log = run_vllm(builtin_folder, RAPID, batches)

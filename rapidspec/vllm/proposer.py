@@ -100,6 +100,11 @@ class RapidProposer:
         self._beside = ThreadPoolExecutor(1, thread_name_prefix="rapidspec-vllm-prepare") \
             if self.options.prepare == "beside" else None
         self._warned: set[str] = set()
+        # the embedder and chunker a first retrieval would load (seconds), before the first request needs them
+        if self._beside is None:
+            self._warm_up()
+        else:
+            self._beside.submit(self._warm_up)
         logger.info("rapidspec proposer: drafter %s, up to %d drafts a step (%s schedule), retrieval %s",
                     self.pool.label, self.most, self.options.schedule, self.options.retrieval.method)
 
@@ -191,6 +196,12 @@ class RapidProposer:
             logger.info("rapidspec proposer: a request ended (%d drafted, %d accepted in %d rounds); %d running; "
                         "totals %s", request.drafted, request.accepted, request.rounds, len(self.requests),
                         json.dumps(self.totals))
+
+    def _warm_up(self) -> None:
+        try:
+            self.retriever.warm_up()
+        except Exception as err:  # noqa: BLE001  (the first request's retrieval says it again, or works)
+            self._warn(f"{type(err).__name__}: {err}", "retrieval could not warm up")
 
     def _warn(self, cause: str, what: str) -> None:
         if cause not in self._warned:
