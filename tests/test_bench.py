@@ -148,7 +148,8 @@ def test_cli_errors_exit_2_before_loading_a_model(argv, message, capsys):
 
 @pytest.mark.slow
 def test_cli_end_to_end_builtin(capsys, tmp_path):
-    code = main(["bench", "--lengths", "512", "--repeats", "2", "--max-new-tokens", "8", "--modes", "lc,rapid,hf-assisted",
+    code = main(["bench", "--target", "builtin:smollm2-135m", "--lengths", "512", "--repeats", "2", "--max-new-tokens", "8",
+                 "--modes", "lc,rapid,hf-assisted",
                  "--share-prefill", "--drafter-quantize", "int8", "--plot", str(tmp_path / "b.png")])
     assert code == 0
     out = capsys.readouterr().out.strip().splitlines()

@@ -201,7 +201,8 @@ def test_real_llama_server_against_rapidspec(capsys, tmp_path):
     """llama.cpp's own server (built by the set-up) answers the built-in load; both servers stop cleanly."""
     if os.environ.get(ENV_BINARY) is None and find_llama_server() is None:
         pytest.skip("llama-server is not built here (the set-up builds it on CPU machines)")
-    code = main(["bench", "serve", "--num-prompts", "2", "--max-concurrency", "2", "--peer", "llama.cpp",
+    code = main(["bench", "serve", "--target", "builtin:smollm2-135m", "--num-prompts", "2", "--max-concurrency", "2",
+                 "--peer", "llama.cpp",
                  "--server-timeout", "300", "--document-tokens", "512", "--max-tokens", "8", "--ignore-eos",
                  "--timeout", "300", "--result-file", str(tmp_path / "both.json")])
     captured = capsys.readouterr()

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def builtin_fp32():
-    return load_model("builtin", dtype="float32")
+    return load_model("builtin:smollm2-135m", dtype="float32")
 
 
 def test_greedy_rapid_eta_zero_reproduces_lc_exactly(builtin_fp32):

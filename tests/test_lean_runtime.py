@@ -264,8 +264,8 @@ def test_builtin_model_lean_greedy_equals_transformers_on_a_real_document():
 
     item = demo_document(3000)
     document, question = item.document, item.question
-    lean = load_model("builtin", dtype="float32")
-    reference = load_model("builtin", dtype="float32", runtime="transformers")  # stock weights and forward
+    lean = load_model("builtin:smollm2-135m", dtype="float32")
+    reference = load_model("builtin:smollm2-135m", dtype="float32", runtime="transformers")  # stock weights and forward
     assert lean.runtime == "lean"
     options = dict(mode="lc", max_new_tokens=32, ignore_eos=True)
     expected = Rapid(reference).generate(document, question, **options)

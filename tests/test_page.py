@@ -60,7 +60,7 @@ def item():
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Rapid(load_model("builtin"), retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(load_model("builtin:smollm2-135m"), retrieval=RetrievalConfig(method="bm25"))
     with running_server(engine, model_name="builtin", api_key=KEY) as url:
         yield url
 

@@ -49,10 +49,10 @@ def test_llama_cpp_logs_to_logging_not_to_stderr(capfd, caplog):
     from rapidspec.runtime.llama_cpp import LlamaCppModel
 
     capfd.readouterr()
-    LlamaCppModel(builtin_gguf_path(), threads=1).new_context(64)
+    LlamaCppModel(builtin_gguf_path("builtin:smollm2-135m"), threads=1).new_context(64)
     assert capfd.readouterr().err == ""
     with caplog.at_level(logging.DEBUG, logger="llama.cpp"):
-        LlamaCppModel(builtin_gguf_path(), threads=1).new_context(64)
+        LlamaCppModel(builtin_gguf_path("builtin:smollm2-135m"), threads=1).new_context(64)
     assert capfd.readouterr().err == ""
     lines = [r.getMessage() for r in caplog.records if r.name == "llama.cpp"]
     assert any("llama_model_loader" in line for line in lines) and all(line == line.strip() for line in lines)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_turn_chat_reuses_the_history_and_keeps_greedy_equality():
-    target = load_model("builtin", dtype="float32")
+    target = load_model("builtin:smollm2-135m", dtype="float32")
     item = demo_document(target_tokens=2500, tokenizer=target.tokenizer)
     paragraphs = [p for p in item.document.split("\n\n") if p.strip()]
     history = [{"role": "user" if i % 2 == 0 else "assistant", "content": p} for i, p in enumerate(paragraphs)]
@@ -53,7 +53,7 @@ class Closing(BaseModel):
 
 def test_structured_output_through_the_openai_client_streaming_and_not():
     """rapid under a JSON schema on the built-in model: the answer parses into the Pydantic model, whole or streamed."""
-    engine = Rapid(load_model("builtin"), retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(load_model("builtin:smollm2-135m"), retrieval=RetrievalConfig(method="bm25"))
     item = demo_document(target_tokens=2500, tokenizer=engine.tokenizer)
     body = dict(model="builtin", max_tokens=160, temperature=0,
                 messages=[{"role": "user", "content": item.question + " Answer in JSON."}],

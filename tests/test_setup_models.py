@@ -1,0 +1,29 @@
+"""The models scripts/install.py installs (``make demo``) are the registry's: the default one and the small one."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from rapidspec.models.builtin import BUILTIN_MODELS, DEFAULT_BUILTIN
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def install_script():
+    spec = importlib.util.spec_from_file_location("install_script", ROOT / "scripts" / "install.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_set_up_installs_the_default_model_and_the_small_one():
+    install = install_script()
+    assert install.DEFAULT_MODEL == DEFAULT_BUILTIN
+    assert install.BUILTIN_MODEL == BUILTIN_MODELS["smollm2-135m"].pip_spec
+
+
+def test_the_default_model_is_checked_against_its_sha256_when_installed():
+    parts = BUILTIN_MODELS[DEFAULT_BUILTIN].parts  # split across pinned wheels: `rapidspec models install` verifies it
+    assert parts is not None and len(parts.sha256) == 64 and parts.size > 0
+    assert all("==" in spec for spec in parts.pip_specs())
