@@ -39,6 +39,29 @@ def test_the_cli_shows_loading_bars_with_verbose_only(tiny_model_dir, tmp_path, 
     assert run.returncode == 0 and "Loading weights" in run.stderr, run.stderr
 
 
+def test_the_gguf_de_quantization_bar_shows_only_when_logging_asks(capfd, caplog):
+    """transformers draws that bar with plain tqdm; everything else written to stderr in the block passes."""
+    from tqdm.auto import tqdm
+
+    from rapidspec.models.conversion import GGUF_BAR
+    from rapidspec.runtime.progress_bars import plain_bar_hidden
+
+    def convert():
+        for _ in tqdm(range(3), desc=GGUF_BAR + "..."):
+            pass
+        print("a real warning", file=sys.stderr)
+
+    caplog.set_level(logging.WARNING, logger="rapidspec")
+    with plain_bar_hidden(GGUF_BAR):
+        convert()
+    assert capfd.readouterr().err == "a real warning\n"
+    caplog.set_level(logging.INFO, logger="rapidspec")
+    with plain_bar_hidden(GGUF_BAR):
+        convert()
+    err = capfd.readouterr().err
+    assert GGUF_BAR in err and err.endswith("a real warning\n")
+
+
 # ---------------------------------------------------------------- llama.cpp's log
 
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed")

@@ -37,7 +37,7 @@ import torch
 
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.cache_dir import cache_root, cache_write, remove_quietly
-from rapidspec.runtime.progress_bars import loading_bars
+from rapidspec.runtime.progress_bars import loading_bars, plain_bar_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +119,17 @@ def _remove_scratch(scratch: Path | None) -> None:
         remove_quietly(scratch)
 
 
+#: The description of transformers' de-quantization bar (a plain tqdm bar, hidden unless --verbose).
+GGUF_BAR = "Converting and de-quantizing GGUF tensors"
+
+
 def _read_gguf(gguf_path: Path, dtype: torch.dtype):
     """(model, tokenizer) de-quantized from ``gguf_path`` by transformers (which shows a progress bar of the
     de-quantization)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with loading_bars():
+        with loading_bars(), plain_bar_hidden(GGUF_BAR):
             model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (ValueError, KeyError, OSError, struct.error, EOFError) as exc:  # a truncated or foreign file
