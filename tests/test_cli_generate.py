@@ -102,15 +102,21 @@ def test_generate_json_schema_on_the_builtin_model(document, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_end_to_end(capsys):
+    """The default model answers the planted fact, then a follow-up; rapid and lc answer both."""
     code = main(["demo", "--document-tokens", "1500", "--max-new-tokens", "16", "--retrieval", "bm25", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0
-    assert set(result["outputs"]) == {"lc", "rapid"}
-    assert result["decode_speedup"] > 0 and result["end_to_end_speedup"] > 0
-    stats = result["outputs"]["rapid"]["stats"]
-    assert stats["time_to_first_token"] > 0
-    # a 16-token answer: the drafter joins only where its prefill pays, and then drafts
-    assert (stats["drafter_joined_at"] is None) == (stats["drafted_tokens"] == 0)
+    assert code == 0 and 1500 <= result["prompt_tokens"] <= 1800
+    first, follow_up = result["questions"]
+    assert first["expected_answer"] == "4:30 pm" and "4:30" in first["outputs"]["lc"]["text"]
+    assert follow_up["expected_answer"] is None and "code block" in follow_up["question"]
+    for entry in result["questions"]:
+        assert set(entry["outputs"]) == {"lc", "rapid"}
+        assert entry["decode_speedup"] > 0 and entry["end_to_end_speedup"] > 0
+        stats = entry["outputs"]["rapid"]["stats"]
+        assert stats["time_to_first_token"] > 0
+        # short answers: the drafter joins only where its prefill pays, and then drafts
+        assert (stats["drafter_joined_at"] is None) == (stats["drafted_tokens"] == 0)
+    assert follow_up["outputs"]["lc"]["stats"]["target_prefill_reused_tokens"] > 1000  # the document was read once
 
 
 @pytest.mark.parametrize(
