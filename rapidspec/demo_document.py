@@ -57,7 +57,8 @@ NEEDLE = (
 QUESTION = "At what time does the reading room of the Lisbon library close on Thursdays?"
 ANSWER = "4:30 pm"
 #: A follow-up whose answer is long and copies the text (the passage is in every document of 1,500 tokens or
-#: more): where the drafter, reading the retrieved passage, pays for itself. ``rapidspec demo`` asks it after :data:`QUESTION`.
+#: more): the kind of answer a drafter reading the retrieved passage is for. ``rapidspec demo`` asks it after
+#: :data:`QUESTION`.
 FOLLOW_UP = "What is a code block in Python's execution model? Give the examples the text lists."
 
 PROMPT_TEMPLATE = (

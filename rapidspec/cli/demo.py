@@ -21,8 +21,9 @@ def register(subparsers) -> None:
             "Runs mode lc and mode rapid on a built-in document of about 7K tokens (Python's own "
             "reference documentation with one planted fact in the middle): first the question about the "
             "planted fact (a short answer, with the expected one beside it), then a follow-up whose "
-            "answer is long and copies the text, where RAPID's drafter pays for itself. Shows both "
-            "answers to each, their statistics and the speedups, measured in this process."
+            "answer is long and copies the text, the kind of answer RAPID's drafter is for. Shows both "
+            "answers to each, their statistics, the speedups measured in this process, and whether "
+            "rapid's drafter joined and why."
         ),
     )
     parser.add_argument("--document-tokens", type=int, default=None, help="length of the demo document (default: about 7K)")

@@ -124,8 +124,8 @@ GGUF_BAR = "Converting and de-quantizing GGUF tensors"
 
 
 def _read_gguf(gguf_path: Path, dtype: torch.dtype):
-    """(model, tokenizer) de-quantized from ``gguf_path`` by transformers (which shows a progress bar of the
-    de-quantization)."""
+    """(model, tokenizer) de-quantized from ``gguf_path`` by transformers (its progress bar of the de-quantization
+    only where logging asks for progress, :mod:`rapidspec.runtime.progress_bars`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
