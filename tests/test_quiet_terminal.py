@@ -62,6 +62,22 @@ def test_the_gguf_de_quantization_bar_shows_only_when_logging_asks(capfd, caplog
     assert GGUF_BAR in err and err.endswith("a real warning\n")
 
 
+def test_transformers_packed_gguf_advice_only_when_logging_asks(caplog):
+    """transformers advises float32 for packed GGUF weights, which rapidspec never computes with."""
+    from rapidspec.models.conversion import PACKED_ADVICE, without_packed_advice
+
+    advising = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    for level, shown in ((logging.WARNING, False), (logging.INFO, True)):
+        caplog.clear()
+        caplog.set_level(level, logger="rapidspec")
+        with caplog.at_level(logging.WARNING, logger=advising.name), without_packed_advice():
+            advising.warning("Loading a GGUF checkpoint with its %s, ...", PACKED_ADVICE)
+            advising.warning("something else")
+        messages = [r.getMessage() for r in caplog.records if r.name == advising.name]
+        assert (any(PACKED_ADVICE in m for m in messages), "something else" in messages) == (shown, True)
+    assert not advising.filters
+
+
 # ---------------------------------------------------------------- llama.cpp's log
 
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed")

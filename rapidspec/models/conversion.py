@@ -31,6 +31,7 @@ import shutil
 import struct
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -121,6 +122,26 @@ def _remove_scratch(scratch: Path | None) -> None:
 
 #: The description of transformers' de-quantization bar (a plain tqdm bar, hidden unless --verbose).
 GGUF_BAR = "Converting and de-quantizing GGUF tensors"
+#: transformers' advice to read packed GGUF weights in float32: about computing with the packed weights, which
+#: rapidspec never does (it saves them de-quantized in its dtype), so it is shown only with --verbose.
+PACKED_ADVICE = "weights packed is fastest in float32"
+
+
+class _WithoutPackedAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return PACKED_ADVICE not in record.getMessage() or logger.isEnabledFor(logging.INFO)
+
+
+@contextmanager
+def without_packed_advice():
+    """A block in which transformers' GGUF quantizer does not log :data:`PACKED_ADVICE` (unless --verbose)."""
+    advising = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    quiet = _WithoutPackedAdvice()
+    advising.addFilter(quiet)
+    try:
+        yield
+    finally:
+        advising.removeFilter(quiet)
 
 
 def _read_gguf(gguf_path: Path, dtype: torch.dtype):
@@ -129,7 +150,7 @@ def _read_gguf(gguf_path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with loading_bars(), plain_bar_hidden(GGUF_BAR):
+        with loading_bars(), plain_bar_hidden(GGUF_BAR), without_packed_advice():
             model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (ValueError, KeyError, OSError, struct.error, EOFError) as exc:  # a truncated or foreign file
