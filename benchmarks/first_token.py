@@ -28,7 +28,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 from rich.console import Console
 from rich.table import Table
@@ -38,18 +37,12 @@ from rapidspec.bench.serve.dataset import builtin_requests
 from rapidspec.cli.options import add_model_options, add_retrieval_options, load_engine
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
+from rapidspec.outputs import timed_output
 
 
 def ask(engine, request, config: DecodeConfig) -> dict:
-    started = time.perf_counter()
-    first = None
-    output = None
-    for chunk in engine.stream_chat(list(request.messages), documents=list(request.documents), config=config):
-        if first is None and chunk.token_ids:
-            first = time.perf_counter() - started
-        if chunk.output is not None:
-            output = chunk.output
-    total = time.perf_counter() - started
+    output, first, total = timed_output(
+        engine.stream_chat(list(request.messages), documents=list(request.documents), config=config))
     stats = output.stats
     return {"mode": config.mode, "ttft": first, "total": total, "new_tokens": stats.new_tokens,
             "joined_at": stats.drafter_joined_at, "drafted": stats.drafted_tokens, "accepted": stats.accepted_tokens,

@@ -28,7 +28,6 @@ import json
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
@@ -37,6 +36,7 @@ from rich.table import Table
 from rapidspec.cli.options import add_model_options, add_retrieval_options, load_engine
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
+from rapidspec.outputs import timed_output
 
 QUESTIONS = Path(__file__).with_name("data") / "license_questions.json"
 MODES = ("lc", "rapid")
@@ -64,16 +64,11 @@ def is_right(answer: str, expected: list[str]) -> bool:
 
 
 def ask(engine, record: dict, config: DecodeConfig) -> dict:
-    started, first, output = time.perf_counter(), None, None
-    for chunk in engine.stream(record["text"], record["question"], config=config):
-        if first is None and chunk.token_ids:
-            first = time.perf_counter() - started
-        if chunk.output is not None:
-            output = chunk.output
+    output, first, total = timed_output(engine.stream(record["text"], record["question"], config=config))
     stats = output.stats
     return {"mode": config.mode, "document": record["document"], "question": record["question"],
             "answer": output.text, "right": is_right(output.text, record["expected"]),
-            "ttft": first, "total": time.perf_counter() - started, "new_tokens": stats.new_tokens,
+            "ttft": first, "total": total, "new_tokens": stats.new_tokens,
             "decode_tokens_per_second": stats.decode_tokens_per_second, "eta": stats.eta,
             "joined_at": stats.drafter_joined_at, "drafted": stats.drafted_tokens, "accepted": stats.accepted_tokens,
             "target_prefill_reused_tokens": stats.target_prefill_reused_tokens, "stop_reason": stats.stop_reason}

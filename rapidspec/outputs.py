@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -67,3 +68,15 @@ def last_output(chunks: Iterator[StreamChunk]) -> GenerationOutput:
         output = chunk.output or output
     assert output is not None
     return output
+
+
+def timed_output(chunks: Iterator[StreamChunk]) -> tuple[GenerationOutput, float | None, float]:
+    """(final output, wall-clock seconds to the first chunk with tokens or None, seconds to the end) of a stream
+    consumed to the end, timed from this call (a generator's work starts at its first chunk)."""
+    started, first, output = time.perf_counter(), None, None
+    for chunk in chunks:
+        if first is None and chunk.token_ids:
+            first = time.perf_counter() - started
+        output = chunk.output or output
+    assert output is not None
+    return output, first, time.perf_counter() - started
