@@ -20,10 +20,11 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from rapidspec.errors import RapidspecError
 
@@ -31,6 +32,9 @@ __all__ = ["DEFAULT_TARGET_TOKENS", "DemoItem", "demo_document", "demo_prompt"]
 
 #: Default length of the demo document, in tokens of the built-in tokenizer.
 DEFAULT_TARGET_TOKENS = 7000
+
+#: The longest demo document built (a million tokens, the text repeated about twenty times).
+MAX_TARGET_TOKENS = 1 << 20
 
 #: Characters per SmolLM2 token of this text, paragraph by paragraph (so that
 #: 2K-8K documents land within ~2% of the target); used only without a tokenizer.
@@ -140,6 +144,14 @@ def source_paragraphs() -> list[str]:
     return paragraphs
 
 
+def _long_source() -> Iterator[str]:
+    """The paragraphs of :data:`TOPICS`, then of the other topics alphabetically, then all of it again, endlessly."""
+    from pydoc_data.topics import topics
+
+    rest = [paragraph for name in sorted(set(topics) - set(TOPICS)) for paragraph in _topic_paragraphs(topics[name])]
+    return itertools.cycle([*source_paragraphs(), *rest])
+
+
 def token_counter(tokenizer: Any | None) -> Callable[[str], int]:
     if tokenizer is None:
         return lambda text: max(1, round(len(text) / CHARS_PER_TOKEN))
@@ -155,8 +167,8 @@ def demo_document(target_tokens: int = DEFAULT_TARGET_TOKENS, tokenizer: Any | N
     boundary nearest the middle. The needle is included in the count, so the
     document is ``target_tokens`` within a sentence or so. Deterministic.
     """
-    if target_tokens < 256:
-        raise RapidspecError(f"target_tokens must be at least 256, got {target_tokens}")
+    if not 256 <= target_tokens <= MAX_TARGET_TOKENS:
+        raise RapidspecError(f"target_tokens must be at least 256 and at most {MAX_TARGET_TOKENS}, got {target_tokens}")
     count = token_counter(tokenizer)
     separator = 1 if tokenizer is None else count("a\n\nb") - count("a") - count("b")
     budget = target_tokens - count(NEEDLE) - separator
@@ -164,7 +176,7 @@ def demo_document(target_tokens: int = DEFAULT_TARGET_TOKENS, tokenizer: Any | N
     chosen: list[str] = []
     lengths: list[int] = []
     total = 0
-    for paragraph in source_paragraphs():
+    for paragraph in _long_source():
         n = count(paragraph) + separator
         if total + n <= budget:
             chosen.append(paragraph)
@@ -185,10 +197,6 @@ def demo_document(target_tokens: int = DEFAULT_TARGET_TOKENS, tokenizer: Any | N
             lengths.append(count(text) + separator)
             total += lengths[-1]
         break
-    else:
-        raise RapidspecError(
-            f"the demo source text holds about {total} tokens, fewer than the {target_tokens} asked for"
-        )
 
     # Insert the needle at the paragraph boundary closest to half the tokens.
     half, running, split = total / 2, 0, 0
@@ -204,7 +212,8 @@ def demo_document(target_tokens: int = DEFAULT_TARGET_TOKENS, tokenizer: Any | N
 
     version = ".".join(map(str, sys.version_info[:3]))
     source = (
-        f"Python {version} Language Reference (pydoc_data.topics: {', '.join(TOPICS)}), "
+        f"Python {version} Language Reference (pydoc_data.topics: {', '.join(TOPICS)}; beyond them the other topics "
+        "alphabetically, then the same text again), "
         "PSF License; one planted sentence (the needle) added by rapidspec"
     )
     return DemoItem(

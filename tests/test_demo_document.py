@@ -95,8 +95,17 @@ def test_shorter_documents_are_prefixes_in_spirit():
 def test_bad_lengths():
     with pytest.raises(RapidspecError, match="at least"):
         demo_document(50)
-    with pytest.raises(RapidspecError, match="fewer than"):
+    with pytest.raises(RapidspecError, match="at most"):
         demo_document(10_000_000)
+
+
+def test_a_document_longer_than_the_source_goes_on_with_the_other_topics_then_starts_over():
+    first = max(source_paragraphs()[:5], key=len)  # a long paragraph near the start, found nowhere else
+    within, beyond = demo_document(15_000), demo_document(80_000)
+    assert within.document.count(first) == 1
+    assert beyond.document.count(first) == 2  # about 50K tokens of all topics, then the same text again
+    assert beyond.document.count(NEEDLE) == 1
+    assert 0.95 * 80_000 * 4.55 <= len(beyond.document) <= 1.05 * 80_000 * 4.55
 
 
 # ---------------------------------------------------------------- built-in tokenizer
