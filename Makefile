@@ -3,8 +3,13 @@
 # llama-server, Debian's Chromium) and runs the tests. scripts/install.py does the steps: one line each on the
 # terminal (what, about how long), their output in .venv/setup.log. Each set-up has its stamp: `make test` after
 # `make demo` adds only what is missing, `make demo` after `make test` installs nothing.
+# llama.cpp is compiled once per machine, version and CPU, in the rapidspec cache (llama.cpp/<version>-<cpu>/,
+# rapidspec/bench/llama_cpp_tree.py): `make demo` compiles llama-cpp-python's wheel there and keeps it (a fresh
+# clone on this machine installs it without compiling), `make test` builds llama-server in the same build folder.
 # `make vllm` makes .venv-vllm: vLLM for CPUs (it pins packages .venv is ahead of) with rapidspec and what RAPID's
-# proposer imports (docs/vllm.md); `make test` makes it too, for the tests that run vLLM.
+# proposer imports (docs/vllm.md); `make test` makes it too, for the tests that run vLLM, while llama-server compiles.
+# `make test-fast` runs the tests that need no real model, no vLLM and no browser (the loop while changing code);
+# `make test` runs them all and prints the suite's total and its 10 slowest tests.
 VENV := .venv
 PY := $(VENV)/bin/python
 SETUP := python3 scripts/install.py --venv $(VENV)
@@ -15,27 +20,29 @@ VLLM_VENV := .venv-vllm
 # the vLLM release is pinned in rapidspec/vllm/environment.py
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test install install-demo vllm
+.PHONY: demo test test-fast install install-demo vllm
 
 install-demo: $(DEMO_STAMP)
-install: $(TEST_STAMP) $(VLLM_STAMP)
+install: $(TEST_STAMP)
 vllm: $(VLLM_STAMP)
 
 $(DEMO_STAMP): $(SETUP_FILES)
 	@$(SETUP) demo
 	@touch $@
 
-$(TEST_STAMP): $(DEMO_STAMP) $(SETUP_FILES)
-	@$(SETUP) test
-	@touch $@
+$(TEST_STAMP): $(DEMO_STAMP) $(SETUP_FILES) rapidspec/bench/llama_cpp_tree.py rapidspec/vllm/environment.py
+	@$(SETUP) test --vllm-venv $(VLLM_VENV)
+	@touch $(VLLM_STAMP) $@
 
-$(VLLM_STAMP): $(SETUP_FILES) rapidspec/vllm/environment.py
+$(VLLM_STAMP): $(SETUP_FILES) rapidspec/vllm/environment.py rapidspec/bench/llama_cpp_tree.py
 	@python3 scripts/install.py --venv $(VLLM_VENV) vllm
 	@touch $@
 
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/rapidspec demo
 
-# vLLM's set-up after the others: the llama-cpp-python wheel the demo's set-up compiled is then in pip's cache
-test: $(TEST_STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q -ra
+test: $(TEST_STAMP)
+	$(PY) -m pytest -q -ra --durations=10
+
+test-fast: $(TEST_STAMP)
+	$(PY) -m pytest -q -ra --durations=10 -m "not slow and not vllm and not browser"

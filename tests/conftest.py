@@ -10,6 +10,11 @@
 * ``attention_choices_file``, ``step_costs_file`` (autouse): attention paths
   and step costs measured during the session are kept in temporary files, not
   in the user's cache directory.
+* ``real_model`` / ``smollm2``: real models (the built-in ones), each loaded
+  once per run for each name, dtype and runtime; ``vllm_offline``: the run's
+  one offline vLLM process (tests/vllm_runs.py). A test that uses them is
+  marked ``slow`` (and ``vllm``) at collection (:func:`pytest_collection_modifyitems`),
+  so ``make test-fast`` (``-m "not slow and not vllm and not browser"``) leaves it out.
 * ``drafter_from_the_first_round``: tests of the rounds' math (invariants,
   distributions, the drafter backends) decode with ``drafter_start="first"``,
   the drafter in every round from the first; how it joins by default is
@@ -113,6 +118,45 @@ def drafter_from_the_first_round(monkeypatch):
     monkeypatch.setattr(Rapid, "decode", first)
 
 
+#: Markers that a test gets from the fixtures it uses, directly or through other fixtures (``smollm2`` uses
+#: ``real_model``): ``make test-fast`` leaves out what loads a real model or runs vLLM.
+FIXTURE_MARKERS = {"real_model": ("slow",), "vllm_offline": ("slow", "vllm")}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture in FIXTURE_MARKERS.keys() & set(getattr(item, "fixturenames", ())):
+            for name in FIXTURE_MARKERS[fixture]:
+                item.add_marker(name)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """``real_model(name, dtype="float32", runtime="auto")``: a real model on the CPU, loaded once per run for each
+    name, resolved dtype (``auto`` is float32 or bfloat16 by the CPU) and runtime.
+
+    Tests only read what it holds (weights, tokenizer); the engines they build on it keep their own caches.
+    """
+    from rapidspec.models import load_model
+    from rapidspec.models.devices import resolve_dtype
+
+    loaded: dict[tuple[str, torch.dtype, str], LoadedModel] = {}
+
+    def load(name: str = "builtin:smollm2-135m", dtype: str = "float32", runtime: str = "auto") -> LoadedModel:
+        key = (name, resolve_dtype(dtype, torch.device("cpu")), runtime)
+        if key not in loaded:
+            loaded[key] = load_model(name, dtype=key[1], device="cpu", runtime=runtime)
+        return loaded[key]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def smollm2(real_model) -> LoadedModel:
+    """SmolLM2-135M-Instruct (``builtin:smollm2-135m``) in float32 on its default (lean) runtime."""
+    return real_model()
+
+
 @pytest.fixture(scope="session")
 def byte_tokenizer():
     return build_byte_tokenizer()
@@ -126,6 +170,25 @@ def tiny_model(byte_tokenizer):
 @pytest.fixture(scope="session")
 def other_tiny_model(byte_tokenizer):
     return make_tiny_model(1, byte_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def vllm_offline(smollm2, tmp_path_factory):
+    """The run's one offline vLLM process (tests/vllm_runs.py) on SmolLM2-135M; skipped without vLLM's venv."""
+    from rapidspec import Rapid
+    from rapidspec.config import DecodeConfig
+    from rapidspec.models.export import export_model
+    from rapidspec.vllm.environment import vllm_python
+    from tests.vllm_runs import CHAT, CHAT_MAX_TOKENS, run_offline
+
+    if vllm_python() is None:
+        pytest.skip("vLLM's venv is not set up here (`make vllm`; `make test` runs it)")
+    folder = export_model("builtin:smollm2-135m", tmp_path_factory.mktemp("vllm") / "smollm2", dtype="float32")
+    config = DecodeConfig(mode="lc", temperature=0.0, max_new_tokens=CHAT_MAX_TOKENS)
+    prompt_ids = list(Rapid(smollm2).chat_prompts(CHAT, config).target_ids)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAPIDSPEC_VLLM_OPTIONS", '{"prepare": "inline"}')
+        return run_offline(folder, prompt_ids)
 
 
 def train_bpe_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:

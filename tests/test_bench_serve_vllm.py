@@ -374,6 +374,7 @@ def test_sigterm_stops_the_vllm_server_started_here(fake_vllm, tiny_model, other
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_real_vllm_against_rapidspec(capsys, tmp_path, monkeypatch):
     """vLLM's own server (from .venv-vllm) answers the built-in load three ways; every server stops cleanly.
     RAPID's proposer prepares its drafters inline, so the 8-token answers get drafts however busy the machine."""

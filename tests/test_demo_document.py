@@ -112,10 +112,8 @@ def test_a_document_longer_than_the_source_goes_on_with_the_other_topics_then_st
 
 
 @pytest.fixture(scope="module")
-def builtin_tokenizer():
-    from rapidspec.models import load_model
-
-    return load_model("builtin:smollm2-135m", dtype="float32", device="cpu").tokenizer
+def builtin_tokenizer(smollm2):
+    return smollm2.tokenizer
 
 
 def count_with(tokenizer):

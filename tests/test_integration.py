@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rapidspec import Rapid, load_model, low_bit_copy
+from rapidspec import Rapid, low_bit_copy
 from rapidspec.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
 
@@ -12,8 +12,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def builtin_fp32():
-    return load_model("builtin:smollm2-135m", dtype="float32")
+def builtin_fp32(smollm2):
+    return smollm2
 
 
 def test_greedy_rapid_eta_zero_reproduces_lc_exactly(builtin_fp32):

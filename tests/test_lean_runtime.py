@@ -258,14 +258,14 @@ def test_runtime_choice_and_refusals(byte_tokenizer, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_builtin_model_lean_greedy_equals_transformers_on_a_real_document():
+def test_builtin_model_lean_greedy_equals_transformers_on_a_real_document(real_model):
     """fp32 greedy tokens of the built-in model, lean vs transformers, on a real long document."""
     from rapidspec.demo_document import demo_document
 
     item = demo_document(3000)
     document, question = item.document, item.question
-    lean = load_model("builtin:smollm2-135m", dtype="float32")
-    reference = load_model("builtin:smollm2-135m", dtype="float32", runtime="transformers")  # stock weights and forward
+    lean = real_model()
+    reference = real_model(runtime="transformers")  # stock weights and forward
     assert lean.runtime == "lean"
     options = dict(mode="lc", max_new_tokens=32, ignore_eos=True)
     expected = Rapid(reference).generate(document, question, **options)

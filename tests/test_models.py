@@ -376,17 +376,17 @@ def test_padded_embeddings_with_same_tokenizer_are_compatible(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def builtin_float32():
+def builtin_float32(real_model):
     """The built-in model from the user cache (converted once per machine), with its stock weights and forward."""
-    return load_model("builtin:smollm2-135m", dtype="float32", device="cpu", runtime="transformers")
+    return real_model(runtime="transformers")
 
 
 @pytest.mark.slow
-def test_builtin_loads_with_auto_dtype_and_answers():
+def test_builtin_loads_with_auto_dtype_and_answers(real_model):
     """The demo question, on an excerpt around the needle, greedy."""
     from rapidspec.demo_document import demo_document, demo_prompt
 
-    target = load_model("builtin:smollm2-135m")
+    target = real_model(dtype="auto")
     assert target.name == "builtin:smollm2-135m" and target.max_context == 8192
     assert target.dtype == (torch.bfloat16 if devices.cpu_supports_bf16() else torch.float32)
     item = demo_document()

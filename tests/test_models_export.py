@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rapidspec.cli import main
 from rapidspec.errors import RapidspecError
 from rapidspec.models.export import EXPORT_RECORD, export_model
-from rapidspec.models.loading import builtin_gguf_path, load_model
+from rapidspec.models.loading import builtin_gguf_path
 from tests.test_models import IDS, fake_gguf, logits, tiny_dir, tiny_model  # noqa: F401  (fake_gguf, tiny_dir: fixtures)
 
 
@@ -95,13 +95,13 @@ def test_cli_prints_one_line_with_what_was_written(tiny_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_builtin_model_exports_with_its_chat_template(tmp_path):
+def test_the_builtin_model_exports_with_its_chat_template(tmp_path, real_model):
     folder = export_model("builtin:smollm2-135m", tmp_path / "smollm2", dtype="float32")
     names = {p.name for p in folder.iterdir()}
     assert {"chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
     assert "model.embed_tokens.weight" in weight_names(folder)
     assert json.loads((folder / EXPORT_RECORD).read_text()) == {"model": "builtin:smollm2-135m", "gguf": str(builtin_gguf_path("builtin:smollm2-135m"))}
-    reference = load_model("builtin:smollm2-135m", dtype="float32", device="cpu", runtime="transformers")
+    reference = real_model(runtime="transformers")
     assert AutoTokenizer.from_pretrained(str(folder)).chat_template == reference.tokenizer.chat_template
     ids = torch.tensor([reference.tokenizer("The capital of France is")["input_ids"]])
     assert torch.equal(logits(load_exported(folder), ids), logits(reference.model, ids))

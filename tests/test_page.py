@@ -24,12 +24,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rapidspec import Rapid, load_model
+from rapidspec import Rapid
 from rapidspec.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import running_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 KEY = "page-test-key"
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
@@ -59,8 +59,8 @@ def item():
 
 
 @pytest.fixture(scope="module")
-def server():
-    engine = Rapid(load_model("builtin:smollm2-135m"), retrieval=RetrievalConfig(method="bm25"))
+def server(real_model):
+    engine = Rapid(real_model(dtype="auto"), retrieval=RetrievalConfig(method="bm25"))
     with running_server(engine, model_name="builtin", api_key=KEY) as url:
         yield url
 

@@ -6,7 +6,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from rapidspec import Rapid, load_model
+from rapidspec import Rapid
 from rapidspec.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import running_server
@@ -14,8 +14,8 @@ from tests.server_harness import running_server
 pytestmark = pytest.mark.slow
 
 
-def test_two_turn_chat_reuses_the_history_and_keeps_greedy_equality():
-    target = load_model("builtin:smollm2-135m", dtype="float32")
+def test_two_turn_chat_reuses_the_history_and_keeps_greedy_equality(smollm2):
+    target = smollm2
     item = demo_document(target_tokens=2500, tokenizer=target.tokenizer)
     paragraphs = [p for p in item.document.split("\n\n") if p.strip()]
     history = [{"role": "user" if i % 2 == 0 else "assistant", "content": p} for i, p in enumerate(paragraphs)]
@@ -51,9 +51,9 @@ class Closing(BaseModel):
     closing_time: str = Field(max_length=12)
 
 
-def test_structured_output_through_the_openai_client_streaming_and_not():
+def test_structured_output_through_the_openai_client_streaming_and_not(real_model):
     """rapid under a JSON schema on the built-in model: the answer parses into the Pydantic model, whole or streamed."""
-    engine = Rapid(load_model("builtin:smollm2-135m"), retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(real_model(dtype="auto"), retrieval=RetrievalConfig(method="bm25"))
     item = demo_document(target_tokens=2500, tokenizer=engine.tokenizer)
     body = dict(model="builtin", max_tokens=160, temperature=0,
                 messages=[{"role": "user", "content": item.question + " Answer in JSON."}],

@@ -1,7 +1,15 @@
-"""Run by vLLM's venv (tests/test_vllm_offline.py): offline vLLM on a model folder, greedy, on the built-in
-document's questions in batches; prints one line ``RESULT {json}`` (each answer's tokens, vLLM's speculative
-decoding counters)."""
+"""Run by vLLM's venv (the ``vllm_offline`` fixture of tests/conftest.py): offline vLLM on a model folder, greedy,
+once per engine configuration in one process, so that vLLM is imported once per test run.
 
+Its one argument is a JSON job: ``folder``, ``document_tokens``, ``max_model_len`` and ``runs``, each run a
+``speculative_config`` (null: vLLM's own decoding) and ``batches``, each batch ``max_tokens`` and ``prompts``:
+a question about the built-in document (a string) or a prompt's token ids (a list). A run may also name
+``chat_templates``: conversations whose token ids vLLM's tokenizer renders from the folder's chat template.
+Prints one line ``RESULT {json}``: per run, each batch's answers as token ids, the rendered templates and vLLM's
+speculative decoding counters.
+"""
+
+import gc
 import json
 import sys
 
@@ -16,16 +24,31 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(job["folder"])
     document = demo_document(job["document_tokens"], tokenizer).document
-    llm = LLM(model=job["folder"], max_model_len=job["max_model_len"], enforce_eager=True, dtype="float32",
-              speculative_config=job["speculative_config"], max_num_seqs=4, disable_log_stats=False, seed=0)
-    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"])
-    answers = []
-    for batch in job["batches"]:
-        prompts = [{"prompt_token_ids": render(tokenizer, with_documents([Message("user", q)], (document,)))}
-                   for q in batch]
-        answers += [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
-    counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
-    print("RESULT " + json.dumps({"answers": answers, "counters": counters}), flush=True)
+
+    def prompt(given) -> dict:
+        ids = given if isinstance(given, list) else render(tokenizer, with_documents([Message("user", given)],
+                                                                                     (document,)))
+        return {"prompt_token_ids": ids}
+
+    results = []
+    for run in job["runs"]:
+        llm = LLM(model=job["folder"], max_model_len=job["max_model_len"], enforce_eager=True, dtype="float32",
+                  speculative_config=run["speculative_config"], max_num_seqs=4, disable_log_stats=False, seed=0)
+        answers = []
+        for batch in run["batches"]:
+            params = SamplingParams(temperature=0, max_tokens=batch["max_tokens"])
+            outputs = llm.generate([prompt(p) for p in batch["prompts"]], params, use_tqdm=False)
+            answers.append([list(out.outputs[0].token_ids) for out in outputs])
+        templates = [list(llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True,
+                                                                  tokenize=True, return_dict=False))
+                     for messages in run.get("chat_templates", [])]
+        counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                    if m.name.startswith("vllm:spec_decode")}
+        results.append({"answers": answers, "templates": templates, "counters": counters})
+        llm.llm_engine.engine_core.shutdown()  # its engine process ends before the next run's starts
+        del llm
+        gc.collect()
+    print("RESULT " + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":  # vLLM starts its engine with multiprocessing's spawn
