@@ -125,6 +125,7 @@ def test_peer_config_checks_and_arguments(tmp_path):
         PeerConfig(binary=gguf, gguf=gguf, threads=2, parallel=1, slot_context=1, extra_args=("--port", "1"))
 
 
+@pytest.mark.slow  # reads the default model's GGUF
 def test_slot_context_holds_the_longest_prompt_and_answer():
     from transformers import AutoTokenizer
 
@@ -156,6 +157,7 @@ def test_a_peer_without_a_gguf_is_one_line(tiny_model, capsys, monkeypatch, tmp_
     assert code == 2 and len(err.splitlines()) == 1 and "--peer-gguf FILE" in err
 
 
+@pytest.mark.slow  # reads the default model's GGUF
 def test_the_peer_gets_the_same_load_and_both_are_reported(tiny_model, other_tiny_model, fake_llama_server, capsys):
     binary, record = fake_llama_server
     engine = Rapid(tiny_model, other_tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=96,

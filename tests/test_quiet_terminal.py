@@ -83,6 +83,7 @@ def test_transformers_packed_gguf_advice_only_when_logging_asks(caplog):
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed")
 
 
+@pytest.mark.slow  # loads a built-in model's GGUF in llama.cpp
 @needs_llama_cpp
 def test_llama_cpp_logs_to_logging_not_to_stderr(capfd, caplog):
     from rapidspec.runtime.llama_cpp import LlamaCppModel
@@ -97,6 +98,7 @@ def test_llama_cpp_logs_to_logging_not_to_stderr(capfd, caplog):
     assert any("llama_model_loader" in line for line in lines) and all(line == line.strip() for line in lines)
 
 
+@pytest.mark.slow  # loads a built-in model's GGUF in llama.cpp
 @needs_llama_cpp
 def test_qwen_s_control_token_warning_is_info(capfd, caplog):
     from rapidspec.runtime.llama_cpp import LlamaCppModel
