@@ -119,6 +119,7 @@ def test_demo_end_to_end(capsys):
     assert follow_up["outputs"]["lc"]["stats"]["target_prefill_reused_tokens"] > 1000  # the document was read once
 
 
+@pytest.mark.slow  # resolves the default model's files (installed by the set-up)
 @pytest.mark.parametrize(
     ("target_quantize", "drafter_quantize", "expected"),
     [

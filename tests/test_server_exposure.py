@@ -272,6 +272,7 @@ def test_an_empty_api_key_is_refused_before_anything_loads(monkeypatch, capsys):
     assert "the API key is empty" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # resolves the default model's files (installed by the set-up)
 def test_a_bad_drafter_is_refused_before_the_target_loads(monkeypatch, capsys, tmp_path):
     from rapidspec import models
     from rapidspec.cli import main
