@@ -20,6 +20,7 @@ the machine's memory bandwidth. This script measures, in one process:
   many tokens cannot cost as little as a plain step on this machine.
 
     python benchmarks/step_cost.py --lengths 4096,8192 --drafter-quantize int8
+    python benchmarks/step_cost.py --dtype float32 --quantize gguf --drafter-quantize none --runtimes lean --lengths 8192
     python benchmarks/step_cost.py --target builtin:qwen2.5-coder-1.5b \\
         --drafter builtin:qwen2.5-coder-0.5b --drafter-quantize int4 --lengths 16384
 
@@ -45,7 +46,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.models import load_model, low_bit_copy
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.packed import PackedLinear, packed_bytes
-from rapidspec.runtime.quantization import Int4Linear, Int8Linear
+from rapidspec.runtime.quantization import TARGET_QUANTIZATIONS, Int4Linear, Int8Linear
 
 RUNTIMES = ("lean", "transformers")
 
@@ -152,7 +153,7 @@ def prefilled(models: dict, ids: list[int], chunk: int) -> tuple[dict, dict]:
 
 def load_pair(args, runtime: str):
     """Target and drafter loaded for ``runtime`` (each runtime gets its own load: the lean one packs weights)."""
-    target = load_model(args.target, dtype=args.dtype, runtime=runtime)
+    target = load_model(args.target, dtype=args.dtype, quantize=args.quantize, runtime=runtime)
     if args.drafter is not None:
         return target, load_model(args.drafter, dtype=args.dtype, quantize=args.drafter_quantize, runtime=runtime)
     if args.drafter_quantize != "none":
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="builtin")
     parser.add_argument("--drafter", default=None, help="drafter model (default: the target's weights)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantize", default="auto", choices=TARGET_QUANTIZATIONS, help="the target's weights")
     parser.add_argument("--drafter-quantize", default="int8", choices=["none", "int8", "int4"])
     parser.add_argument("--lengths", default="4096,8192", help="target context lengths (comma separated)")
     parser.add_argument("--drafter-tokens", type=int, default=528, help="drafter context (retrieved tokens)")
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     Console(width=160).print(table)
     print(json.dumps({
-        "target": args.target, "drafter": args.drafter or "self", "dtype": args.dtype,
+        "target": args.target, "quantize": next(iter(pairs.values()))[0].quantization, "drafter": args.drafter or "self",
+        "dtype": args.dtype,
         "drafter_quantize": args.drafter_quantize, "threads": torch.get_num_threads(),
         "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": flops / 1e9, "rows": rows,
     }))

@@ -21,7 +21,7 @@ def test_bytes_of_a_step(tiny_model, tiny_model_dir):
     assert step_cost.weight_bytes(model) == 4 * (linear + norms)
     assert step_cost.cache_bytes(model, 100) == 2 * 2 * 2 * 8 * 100 * 4
     int8 = low_bit_copy(tiny_model, "int8").model
-    scales_and_norms = 4 * (2 * (32 + 16 + 16 + 32 + 64 + 64 + 32) + 257 + norms)
+    scales_and_norms = 2 * (2 * (32 + 16 + 16 + 32 + 64 + 64 + 32) + 257) + 4 * norms  # bfloat16 scales
     assert step_cost.weight_bytes(int8) == linear + scales_and_norms
     packed = load_model(str(tiny_model_dir), dtype="float32")  # the lean runtime's prepacked layers
     assert any(isinstance(m, PackedLinear) for m in packed.model.modules())

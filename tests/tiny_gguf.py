@@ -22,8 +22,13 @@ def _rotary_permute(weight: torch.Tensor, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, out // heads // 2, *rest).swapaxes(1, 2).reshape(weight.shape).numpy()
 
 
-def write_tiny_gguf(loaded, path: Path, tokens: list[str] | None = None) -> Path:
-    """Write ``loaded`` (a LoadedModel of a LlamaForCausalLM) to ``path``; ``tokens`` replaces the vocabulary's texts."""
+def write_tiny_gguf(loaded, path: Path, tokens: list[str] | None = None, kind: str = "F32") -> Path:
+    """Write ``loaded`` (a LoadedModel of a LlamaForCausalLM) to ``path``; ``tokens`` replaces the vocabulary's texts.
+
+    ``kind``: the block format of the linear layers and the output layer
+    (``F32``, or one the ``gguf`` package quantises: Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0); the embedding and the norms stay float32.
+    """
     model, tokenizer = loaded.model, loaded.tokenizer
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -50,20 +55,28 @@ def write_tiny_gguf(loaded, path: Path, tokens: list[str] | None = None) -> Path
 
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    def add(name: str, weight) -> None:
+        weight = np.ascontiguousarray(weight)
+        if kind == "F32":
+            writer.add_tensor(name, weight)
+            return
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
+
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         writer.add_tensor(f"blk.{i}.attn_norm.weight", state[p + "input_layernorm.weight"].numpy())
-        writer.add_tensor(f"blk.{i}.attn_q.weight", _rotary_permute(state[p + "self_attn.q_proj.weight"], heads))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", _rotary_permute(state[p + "self_attn.k_proj.weight"], kv_heads))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", state[p + "self_attn.v_proj.weight"].numpy())
-        writer.add_tensor(f"blk.{i}.attn_output.weight", state[p + "self_attn.o_proj.weight"].numpy())
+        add(f"blk.{i}.attn_q.weight", _rotary_permute(state[p + "self_attn.q_proj.weight"], heads))
+        add(f"blk.{i}.attn_k.weight", _rotary_permute(state[p + "self_attn.k_proj.weight"], kv_heads))
+        add(f"blk.{i}.attn_v.weight", state[p + "self_attn.v_proj.weight"].numpy())
+        add(f"blk.{i}.attn_output.weight", state[p + "self_attn.o_proj.weight"].numpy())
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", state[p + "post_attention_layernorm.weight"].numpy())
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", state[p + "mlp.gate_proj.weight"].numpy())
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", state[p + "mlp.up_proj.weight"].numpy())
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", state[p + "mlp.down_proj.weight"].numpy())
+        add(f"blk.{i}.ffn_gate.weight", state[p + "mlp.gate_proj.weight"].numpy())
+        add(f"blk.{i}.ffn_up.weight", state[p + "mlp.up_proj.weight"].numpy())
+        add(f"blk.{i}.ffn_down.weight", state[p + "mlp.down_proj.weight"].numpy())
     writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
-    writer.add_tensor("output.weight", state["lm_head.weight"].numpy())
+    add("output.weight", state["lm_head.weight"].numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -323,7 +323,7 @@ def run_benchmark(
         results.extend(_summarise(engine, v, index, item, runs[v.label], profile) for v in columns)
     compare_with_lc(results)
     return BenchReport(
-        model=engine.target.name,
+        model=engine.target.label,
         drafter=engine.drafter_label,
         device=str(engine.target.model.device),
         dtype=str(engine.target.model.dtype).removeprefix("torch."),

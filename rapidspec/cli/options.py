@@ -18,7 +18,7 @@ from rapidspec.retrieval import METHODS, RetrievalConfig
 from rapidspec.retrieval.config import EMBEDDING_DTYPES
 from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
-from rapidspec.runtime.quantization import QUANTIZATIONS
+from rapidspec.runtime.quantization import QUANTIZATIONS, TARGET_QUANTIZATIONS
 
 _DEFAULT_DECODE = DecodeConfig()
 _DEFAULT_RETRIEVAL = RetrievalConfig()
@@ -31,10 +31,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="weights dtype (default: auto)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     group.add_argument("--drafter-device", default=None, help="device of the drafter (default: --device)")
-    group.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="target weights: none, int8 or int4 (default: %(default)s)")
+    group.add_argument("--quantize", default="auto", choices=TARGET_QUANTIZATIONS,
+                       help="target weights: gguf computes with the GGUF file's own low-bit blocks (4-bit as int4, "
+                            "others as int8; CPU), none with a float copy, int8 or int4 round the float copy; auto is "
+                            "gguf for a GGUF target on the CPU, else none (default: %(default)s)")
     group.add_argument("--drafter-quantize", default="none", choices=QUANTIZATIONS,
-                       help="drafter weights: int8 or int4 make a CPU drafter step cheaper; with no --drafter, "
-                            "a quantised copy of the target drafts (default: %(default)s)")
+                       help="drafter weights: int8, int4 or gguf make a CPU drafter step cheaper; with no --drafter, "
+                            "a low-bit copy of the target drafts (default: %(default)s)")
     group.add_argument("--drafter-backend", default=_DEFAULT_DECODE.drafter_backend, choices=DRAFTER_BACKENDS,
                        help="what runs the drafter: llama.cpp (CPU, reads the drafter's GGUF file as it is) or torch; "
                             "auto picks llama.cpp on CPU when it is installed and the drafter has a GGUF file and no "

@@ -58,7 +58,7 @@ def export_model(name: str, folder: str | Path, dtype: str | torch.dtype = "auto
     _check_target(target)
     source, gguf = resolve_source(name)
     start = time.perf_counter()
-    loaded = load_model(name, dtype=dtype, device="cpu", attention="sdpa", runtime="transformers")
+    loaded = load_model(name, dtype=dtype, device="cpu", attention="sdpa", quantize="none", runtime="transformers")
     builtin = name.strip().lower() == "builtin" or name.strip().lower().startswith("builtin:")
     record = {"model": name.strip() if builtin or not Path(source).exists() else source,
               "gguf": None if gguf is None else str(gguf)}

@@ -48,6 +48,7 @@ from rapidspec.models.conversion import gguf_cache_dir, gguf_conversion  # noqa:
 from rapidspec.runtime.cache_dir import cache_root
 from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.progress_bars import loading_bars
+from rapidspec.runtime.gguf_linears import file_linears, file_precision_reason
 from rapidspec.runtime.quantization import check_quantization, quantize_linears, quantized_copy
 from rapidspec.models.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
 
@@ -224,7 +225,7 @@ def load_model(
     device: str | torch.device = "auto",
     device_map: Any = None,
     attention: str = "native-gqa",
-    quantize: str = "none",
+    quantize: str = "auto",
     runtime: str = "auto",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, offline.
@@ -238,8 +239,12 @@ def load_model(
     (grouped-query attention without repeating key/value heads, same
     results as ``sdpa``); ``"sdpa"`` or any other transformers
     ``attn_implementation`` name is passed through.
-    ``quantize``: ``"none"``, ``"int8"`` or ``"int4"`` (weight-only linear
-    layers, :mod:`rapidspec.runtime.quantization`; meant for drafters on CPU).
+    ``quantize``: ``"auto"`` (default) is ``"gguf"`` for a GGUF file of a
+    llama or qwen2 model on the CPU, else ``"none"``; ``"gguf"`` computes the
+    linear layers with the file's own low-bit blocks (4-bit ones as int4, the
+    others as int8, :mod:`rapidspec.runtime.gguf_linears`); ``"none"`` keeps
+    transformers' float copy; ``"int8"`` and ``"int4"`` round the float copy
+    (:mod:`rapidspec.runtime.quantization`). Low-bit layers run on the CPU only.
     ``runtime``: ``"auto"`` (default) decodes with the lean forward of
     :mod:`rapidspec.runtime.lean` when the architecture has one (llama,
     qwen2) and the model sits on one device, else with transformers' forward;
@@ -275,8 +280,7 @@ def load_model(
     if reason is not None:
         raise RapidspecError(f"cannot use {name}: {reason}, whose cache rapidspec cannot roll back yet; "
                              "use a model with full attention")
-    if quantize != "none":
-        logger.info("%s weights for %d linear layers of %s", quantize, quantize_linears(model, quantize), name)
+    quantize = _at_precision(model, _resolved_quantization(quantize, gguf, model, torch_device), gguf, name)
     param = next(model.parameters())
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -299,10 +303,44 @@ def load_model(
     )
 
 
+def _resolved_quantization(quantize: str, gguf: Path | None, model, device: torch.device) -> str:
+    """``quantize``, with ``auto`` kept only where the GGUF's own blocks can apply (else ``none``); ``gguf``
+    refused for a model read from no GGUF file."""
+    if quantize == "gguf" and gguf is None:
+        raise RapidspecError("quantize 'gguf' computes with a GGUF file's own weights; this model was not read from "
+                             "a .gguf file (use int8 or int4 to round its float weights)")
+    if quantize != "auto":
+        return quantize
+    usable = gguf is not None and device.type == "cpu" and file_precision_reason(model) is None
+    return "auto" if usable else "none"
+
+
+def _at_precision(model, quantize: str, gguf: Path | None, name: str) -> str:
+    """Give ``model`` the linear layers of ``quantize`` (``auto`` resolved); returns what it got.
+
+    ``auto`` that cannot read the GGUF's own blocks keeps the float copy (one warning); ``gguf`` asked for
+    by name raises :class:`RapidspecError` instead.
+    """
+    explicit = quantize != "auto"
+    if quantize in ("auto", "gguf"):
+        try:
+            file_linears(model, gguf)
+            return "gguf"
+        except QuantizationError as err:
+            if explicit:
+                raise RapidspecError(str(err)) from None
+            logger.warning("%s keeps its float weights: %s", name, err)
+            return "none"
+    if quantize != "none":
+        with _quantize_option():
+            logger.info("%s weights for %d linear layers of %s", quantize, quantize_linears(model, quantize), name)
+    return quantize
+
+
 def check_low_bit_device(quantize: str, device: torch.device) -> None:
     """Refuse int8 / int4 weights off the CPU: their layers multiply by a de-quantised copy of the whole
     weight on every call there, slower than bfloat16 (no low-bit GPU kernel is wired in yet)."""
-    if quantize != "none" and torch.device(device).type != "cpu":
+    if quantize not in ("none", "auto") and torch.device(device).type != "cpu":
         raise RapidspecError(f"{quantize} weights are for drafters on the CPU; on {torch.device(device).type} they "
                              "would de-quantize every weight on every call, slower than bfloat16: load the model "
                              "without --quantize / --drafter-quantize (bfloat16 is the fast choice there)")

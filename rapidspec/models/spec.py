@@ -18,15 +18,18 @@ from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.models.loading import RUNTIMES
 from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
-from rapidspec.runtime.quantization import QUANTIZATIONS
+from rapidspec.runtime.quantization import QUANTIZATIONS, ROUNDED_QUANTIZATIONS, TARGET_QUANTIZATIONS
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """The target and drafter of a run and how to load them.
 
-    ``drafter``: None drafts with the target's weights (a low-bit copy when
-    ``drafter_quantize`` differs from ``quantize``); a name that runs on
+    ``quantize``: the target's linear layers (``auto``: the GGUF file's own
+    low-bit weights on the CPU, else the float copy;
+    :func:`rapidspec.models.load_model`). ``drafter``: None drafts with the
+    target's weights (a low-bit copy when ``drafter_quantize`` is another
+    precision than the target's); a name that runs on
     llama.cpp (``drafter_backend`` auto or llama.cpp, a GGUF file, no torch
     quantization) is read there as it is and loaded by torch only if a request
     asks for torch. ``drafter_threads``: llama.cpp's threads (None: torch's);
@@ -42,7 +45,7 @@ class ModelSpec:
     dtype: str = "auto"
     device: str = "auto"
     drafter_device: str | None = None
-    quantize: str = "none"
+    quantize: str = "auto"
     drafter_quantize: str = "none"
     runtime: str = "auto"
     drafter_backend: str = "auto"
@@ -52,7 +55,7 @@ class ModelSpec:
     prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB
 
     def __post_init__(self) -> None:
-        for name, allowed in (("dtype", DTYPE_NAMES), ("quantize", QUANTIZATIONS), ("drafter_quantize", QUANTIZATIONS),
+        for name, allowed in (("dtype", DTYPE_NAMES), ("quantize", TARGET_QUANTIZATIONS), ("drafter_quantize", QUANTIZATIONS),
                               ("runtime", RUNTIMES), ("drafter_backend", DRAFTER_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise RapidspecError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -81,10 +84,10 @@ class ModelSpec:
         if self.drafter is not None:
             return target, models.load_model(self.drafter, dtype=self.dtype, device=self.drafter_device or self.device,
                                              quantize=self.drafter_quantize, runtime=self.runtime)
-        if self.drafter_quantize in ("none", self.quantize):
+        if self.drafter_quantize in ("none", target.quantization):
             return target, None
         # a self-drafter with other weights: a copy of the float target, or the target loaded again
-        if self.quantize == "none":
+        if target.quantization == "none" and self.drafter_quantize in ROUNDED_QUANTIZATIONS:
             return target, models.low_bit_copy(target, self.drafter_quantize, name="self")
         again = models.load_model(self.target, dtype=self.dtype, device=self.device, quantize=self.drafter_quantize,
                                   runtime=self.runtime)
