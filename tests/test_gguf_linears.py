@@ -145,3 +145,28 @@ def test_auto_keeps_the_float_copy_where_the_files_blocks_cannot_be_read(fake_gg
     assert [r.getMessage() for r in caplog.records if "keeps its float weights" in r.getMessage()]
     with pytest.raises(RapidspecError, match="cannot read the tensors of tiny.Q4_0.gguf"):
         load_model(str(path), dtype="float32", device="cpu", quantize="gguf")
+
+
+def test_the_layers_are_kept_beside_the_conversion_and_read_back(quantized_files, tmp_path, monkeypatch, caplog):
+    """The second load reads the kept layers (the same weights, no GGUF parse); a corrupt file is built again."""
+    import rapidspec.models.file_precision as file_precision
+
+    monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path / "cache"))
+    first = load_model(str(quantized_files["Q4_1"]), dtype="float32", quantize="gguf")
+    kept = list((tmp_path / "cache").rglob(file_precision.FILE_NAME))
+    assert len(kept) == 1
+    built = []
+    real = file_precision.file_layers
+    monkeypatch.setattr(file_precision, "file_layers", lambda *args: built.append(1) or real(*args))
+    second = load_model(str(quantized_files["Q4_1"]), dtype="float32", quantize="gguf")
+    assert built == []  # read back, not built
+    for a, b in zip(first.model.modules(), second.model.modules()):
+        if isinstance(a, (Int4Linear, Int8Linear)):
+            assert type(a) is type(b) and torch.equal(a.dequantized(torch.float32), b.dequantized(torch.float32))
+    ids = torch.tensor([[5, 17, 42]])
+    assert torch.equal(first.model(input_ids=ids).logits, second.model(input_ids=ids).logits)
+    kept[0].write_bytes(b"not a safetensors file")
+    with caplog.at_level("WARNING"):
+        third = load_model(str(quantized_files["Q4_1"]), dtype="float32", quantize="gguf")
+    assert built == [1] and "cannot be read" in caplog.text and third.quantization == "gguf"
+    assert kept[0].stat().st_size > 100  # written again, whole

@@ -48,7 +48,8 @@ from rapidspec.models.conversion import gguf_cache_dir, gguf_conversion  # noqa:
 from rapidspec.runtime.cache_dir import cache_root
 from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.progress_bars import loading_bars
-from rapidspec.runtime.gguf_linears import file_linears, file_precision_reason
+from rapidspec.models.file_precision import file_precision
+from rapidspec.runtime.gguf_linears import file_precision_reason
 from rapidspec.runtime.quantization import check_quantization, quantize_linears, quantized_copy
 from rapidspec.models.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
 
@@ -280,7 +281,7 @@ def load_model(
     if reason is not None:
         raise RapidspecError(f"cannot use {name}: {reason}, whose cache rapidspec cannot roll back yet; "
                              "use a model with full attention")
-    quantize = _at_precision(model, _resolved_quantization(quantize, gguf, model, torch_device), gguf, name)
+    quantize = _at_precision(model, _resolved_quantization(quantize, gguf, model, torch_device), gguf, torch_dtype, name)
     param = next(model.parameters())
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -315,7 +316,7 @@ def _resolved_quantization(quantize: str, gguf: Path | None, model, device: torc
     return "auto" if usable else "none"
 
 
-def _at_precision(model, quantize: str, gguf: Path | None, name: str) -> str:
+def _at_precision(model, quantize: str, gguf: Path | None, dtype: torch.dtype, name: str) -> str:
     """Give ``model`` the linear layers of ``quantize`` (``auto`` resolved); returns what it got.
 
     ``auto`` that cannot read the GGUF's own blocks keeps the float copy (one warning); ``gguf`` asked for
@@ -324,7 +325,7 @@ def _at_precision(model, quantize: str, gguf: Path | None, name: str) -> str:
     explicit = quantize != "auto"
     if quantize in ("auto", "gguf"):
         try:
-            file_linears(model, gguf)
+            file_precision(model, gguf, dtype)
             return "gguf"
         except QuantizationError as err:
             if explicit:

@@ -168,16 +168,15 @@ def _module(root: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(parent_path) if parent_path else root), name
 
 
-def file_linears(model: nn.Module, gguf_path: str | Path) -> dict[str, int]:
-    """Replace ``model``'s linear layers (a llama or qwen2 causal LM loaded from ``gguf_path``) by layers at the
-    file's precision, in place, all of them or none.
+def file_layers(model: nn.Module, gguf_path: str | Path) -> dict[str, nn.Module | None]:
+    """The layers at the file's precision for ``model`` (a llama or qwen2 causal LM loaded from ``gguf_path``):
+    module path -> low-bit layer, or None where the file holds floats (the layer stays).
 
-    The output layer is read from ``output.weight``, or from ``token_embd.weight``
-    when the file ties it to the embedding (the embedding lookup keeps its
-    float table). Returns how many layers became ``int4``, ``int8`` or stayed
-    ``float``. :class:`QuantizationError` (nothing replaced) for another
-    architecture, a model off the CPU, or a file whose tensors cannot be read
-    or do not hold the loaded weights.
+    The output layer (``lm_head``) is read from ``output.weight``, or from
+    ``token_embd.weight`` when the file ties it to the embedding (the
+    embedding lookup keeps its float table). :class:`QuantizationError` for
+    another architecture, a model off the CPU, or a file whose tensors cannot
+    be read or do not hold the loaded weights.
     """
     from gguf import GGUFReader
 
@@ -205,6 +204,11 @@ def file_linears(model: nn.Module, gguf_path: str | Path) -> dict[str, int]:
             heads = config.num_attention_heads if name == "q_proj" else config.num_key_value_heads
             rows = rotary_rows(linear.out_features, heads)
         layers[path] = file_layer(tensor, linear, dtype, rows)
+    return layers
+
+
+def replace_layers(model: nn.Module, layers: dict[str, nn.Module | None]) -> dict[str, int]:
+    """Put ``layers`` (:func:`file_layers`) into ``model``; returns how many became ``int4``, ``int8`` or stayed ``float``."""
     counts = {"int4": 0, "int8": 0, "float": 0}
     for path, layer in layers.items():
         if layer is None:
@@ -213,5 +217,29 @@ def file_linears(model: nn.Module, gguf_path: str | Path) -> dict[str, int]:
         parent, name = _module(model, path)
         setattr(parent, name, layer)
         counts["int4" if isinstance(layer, Int4Linear) else "int8"] += 1
+    return counts
+
+
+def file_linears(model: nn.Module, gguf_path: str | Path) -> dict[str, int]:
+    """Replace ``model``'s linear layers by layers at ``gguf_path``'s precision, in place, all of them or none
+    (:func:`file_layers`, :func:`replace_layers`)."""
+    counts = replace_layers(model, file_layers(model, gguf_path))
     logger.info("%s at the file's precision: %s", Path(gguf_path).name, counts)
     return counts
+
+
+def layer_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors that rebuild a low-bit ``layer`` (:func:`layer_from_tensors`), its bias excepted."""
+    if isinstance(layer, Int4Linear):
+        return {"codes_packed": layer.codes_packed, "scales_and_zeros": layer.scales_and_zeros}
+    return {"weight_int8": layer.weight_int8, "scales": layer.scales}
+
+
+def layer_from_tensors(tensors: dict[str, torch.Tensor], bias: nn.Parameter | None) -> nn.Module:
+    """The low-bit layer :func:`layer_tensors` described, with ``bias``."""
+    if "codes_packed" in tensors:
+        packed, scales_and_zeros = tensors["codes_packed"], tensors["scales_and_zeros"]  # [out, in / 2], [g, out, 2]
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)  # [out, in]
+        group = codes.shape[1] // scales_and_zeros.shape[0]
+        return Int4Linear(codes, scales_and_zeros[..., 0].T, scales_and_zeros[..., 1].T, bias, group=group)
+    return Int8Linear(tensors["weight_int8"], tensors["scales"], bias)

@@ -62,10 +62,10 @@ KERNEL_MAX_ROWS = 16
 KERNEL_IN_FEATURES_MULTIPLE = 32
 #: What the kernels compute in, and the dtype of every layer's scales and zero points: PyTorch's int8 and
 #: int4 CPU kernels are vectorised for bfloat16 inputs, also on CPUs without bfloat16 instructions, and
-#: run a scalar loop for float32 ones (measured on a 2-core Cascade Lake, a 9728 x 896 layer and one
-#: token: int8 0.79 ms in bfloat16 against 11.7 ms in float32; int4 0.68 against 29 ms; a float32
-#: product 2.2 ms). A float32 model's inputs are rounded to bfloat16 for the product and its output
-#: returned in float32.
+#: run a scalar loop for float32 ones (measured on a 2-core Cascade Lake without bfloat16 instructions,
+#: a 9728 x 896 layer and one token: int8 0.81 ms in bfloat16 against 11.8 ms in float32; int4 0.68
+#: against 29.4 ms; a float32 product 2.45 ms; benchmarks/low_bit_kernels.py). A float32 model's inputs
+#: are rounded to bfloat16 for the product and its output returned in float32.
 KERNEL_DTYPE = torch.bfloat16
 
 
