@@ -8,12 +8,13 @@ included, by low-bit layers built from the file's own blocks
 
 * 4-bit blocks (Q4_0, Q4_1, Q4_K) become :class:`~rapidspec.runtime.quantization.Int4Linear`
   with groups of :data:`FILE_INT4_GROUP` input columns, the file's own codes,
-  and a scale and zero point per group that reproduce the file's de-quantised
-  values: ``(c - 8) * scale + zero`` equals llama.cpp's ``d * c + m``
-  (Q4_1), ``d * (c - 8)`` (Q4_0) and ``d * sc * c - dmin * m`` (Q4_K). Exact
-  in float32 (a scale is a half-precision number times an integer below 64;
-  a zero point is rounded once, to float32); in bfloat16 the scale and zero
-  are rounded to bfloat16.
+  and a scale and zero point per group that give the file's de-quantised
+  values: ``(c - 8) * scale + zero`` is llama.cpp's ``d * c + m`` (Q4_1),
+  ``d * (c - 8)`` (Q4_0) and ``d * sc * c - dmin * m`` (Q4_K), computed in
+  float32. The kernel takes them in bfloat16
+  (:data:`~rapidspec.runtime.quantization.KERNEL_DTYPE`), so each scale and
+  zero point is rounded once more (a relative error of at most 2^-9); the
+  codes are the file's.
 * Every other quantised block (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, ...) becomes
   :class:`~rapidspec.runtime.quantization.Int8Linear`: the file's de-quantised
   values rounded again to int8 with one scale per output channel (PyTorch's
