@@ -132,20 +132,23 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def real_model():
-    """``real_model(name, dtype="float32", runtime="auto")``: a real model on the CPU, loaded once per run for each
-    name, resolved dtype (``auto`` is float32 or bfloat16 by the CPU) and runtime.
+    """``real_model(name, dtype="float32", runtime="auto", quantize="none")``: a real model on the CPU, loaded once
+    per run for each name, resolved dtype (``auto`` is float32 or bfloat16 by the CPU), runtime and weights
+    (``none``: transformers' float copy, what the float32 invariants are checked on; ``gguf``: the file's own
+    low-bit blocks, the default of ``load_model``).
 
     Tests only read what it holds (weights, tokenizer); the engines they build on it keep their own caches.
     """
     from rapidspec.models import load_model
     from rapidspec.models.devices import resolve_dtype
 
-    loaded: dict[tuple[str, torch.dtype, str], LoadedModel] = {}
+    loaded: dict[tuple[str, torch.dtype, str, str], LoadedModel] = {}
 
-    def load(name: str = "builtin:smollm2-135m", dtype: str = "float32", runtime: str = "auto") -> LoadedModel:
-        key = (name, resolve_dtype(dtype, torch.device("cpu")), runtime)
+    def load(name: str = "builtin:smollm2-135m", dtype: str = "float32", runtime: str = "auto",
+             quantize: str = "none") -> LoadedModel:
+        key = (name, resolve_dtype(dtype, torch.device("cpu")), runtime, quantize)
         if key not in loaded:
-            loaded[key] = load_model(name, dtype=key[1], device="cpu", runtime=runtime)
+            loaded[key] = load_model(name, dtype=key[1], device="cpu", runtime=runtime, quantize=quantize)
         return loaded[key]
 
     return load
