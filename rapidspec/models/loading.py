@@ -281,7 +281,7 @@ def load_model(
     if reason is not None:
         raise RapidspecError(f"cannot use {name}: {reason}, whose cache rapidspec cannot roll back yet; "
                              "use a model with full attention")
-    quantize = _at_precision(model, _resolved_quantization(quantize, gguf, model, torch_device), gguf, torch_dtype, name)
+    quantize = _at_precision(model, quantize, gguf, torch_device, torch_dtype, name)
     param = next(model.parameters())
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -304,31 +304,25 @@ def load_model(
     )
 
 
-def _resolved_quantization(quantize: str, gguf: Path | None, model, device: torch.device) -> str:
-    """``quantize``, with ``auto`` kept only where the GGUF's own blocks can apply (else ``none``); ``gguf``
-    refused for a model read from no GGUF file."""
+def _at_precision(model, quantize: str, gguf: Path | None, device: torch.device, dtype: torch.dtype,
+                  name: str) -> str:
+    """Give ``model`` the linear layers ``quantize`` asks for; returns what it got (``auto`` decided).
+
+    ``auto`` takes the GGUF file's own blocks for a llama or qwen2 model read from one on the CPU, else
+    keeps the float copy, as it does (with one warning) where the file's blocks cannot be read; ``gguf``
+    raises :class:`RapidspecError` for a model read from no GGUF file or blocks that cannot be read.
+    """
     if quantize == "gguf" and gguf is None:
         raise RapidspecError("quantize 'gguf' computes with a GGUF file's own weights; this model was not read from "
                              "a .gguf file (use int8 or int4 to round its float weights)")
-    if quantize != "auto":
-        return quantize
-    usable = gguf is not None and device.type == "cpu" and file_precision_reason(model) is None
-    return "auto" if usable else "none"
-
-
-def _at_precision(model, quantize: str, gguf: Path | None, dtype: torch.dtype, name: str) -> str:
-    """Give ``model`` the linear layers of ``quantize`` (``auto`` resolved); returns what it got.
-
-    ``auto`` that cannot read the GGUF's own blocks keeps the float copy (one warning); ``gguf`` asked for
-    by name raises :class:`RapidspecError` instead.
-    """
-    explicit = quantize != "auto"
+    if quantize == "auto" and (gguf is None or device.type != "cpu" or file_precision_reason(model) is not None):
+        return "none"
     if quantize in ("auto", "gguf"):
         try:
             file_precision(model, gguf, dtype)
             return "gguf"
         except QuantizationError as err:
-            if explicit:
+            if quantize == "gguf":
                 raise RapidspecError(str(err)) from None
             logger.warning("%s keeps its float weights: %s", name, err)
             return "none"

@@ -2,8 +2,9 @@
 
 transformers de-quantises a GGUF file into float weights, so a CPU step reads
 4 bytes (float32) or 2 (bfloat16) for each weight the file keeps in about half
-a byte. :func:`file_linears` replaces the model's linear layers, output layer
-included, by low-bit layers built from the file's own blocks
+a byte. :func:`file_layers` builds low-bit layers for the model's linear
+layers, output layer included, from the file's own blocks, and
+:func:`replace_layers` puts them in place
 (:mod:`rapidspec.runtime.quantization`, PyTorch's CPU kernels):
 
 * 4-bit blocks (Q4_0, Q4_1, Q4_K) become :class:`~rapidspec.runtime.quantization.Int4Linear`
@@ -31,7 +32,6 @@ never computed with.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +46,6 @@ from rapidspec.runtime.quantization import (
     Int8Linear,
     quantize_weight,
 )
-
-logger = logging.getLogger(__name__)
 
 #: Input columns per group of a file's 4-bit layer: the block (Q4_0, Q4_1) or sub-block (Q4_K) size.
 FILE_INT4_GROUP = 32
@@ -155,7 +153,7 @@ def file_layer(tensor, linear: nn.Module, dtype: torch.dtype, rows: torch.Tensor
 
 
 def file_precision_reason(model: nn.Module) -> str | None:
-    """Why ``model`` cannot take :func:`file_linears`, or None when it can."""
+    """Why ``model`` cannot take :func:`file_layers`, or None when it can."""
     model_type = getattr(model.config, "model_type", None)
     if model_type not in ("llama", "qwen2"):
         return f"the GGUF's own precision is implemented for llama and qwen2 models, not {model_type!r}"
@@ -218,14 +216,6 @@ def replace_layers(model: nn.Module, layers: dict[str, nn.Module | None]) -> dic
         parent, name = _module(model, path)
         setattr(parent, name, layer)
         counts["int4" if isinstance(layer, Int4Linear) else "int8"] += 1
-    return counts
-
-
-def file_linears(model: nn.Module, gguf_path: str | Path) -> dict[str, int]:
-    """Replace ``model``'s linear layers by layers at ``gguf_path``'s precision, in place, all of them or none
-    (:func:`file_layers`, :func:`replace_layers`)."""
-    counts = replace_layers(model, file_layers(model, gguf_path))
-    logger.info("%s at the file's precision: %s", Path(gguf_path).name, counts)
     return counts
 
 
