@@ -276,20 +276,22 @@ def test_builtin_model_lean_greedy_equals_transformers_on_a_real_document(real_m
 
 
 @pytest.mark.slow
-def test_builtin_model_at_its_files_precision_keeps_the_greedy_invariant(real_model):
-    """The default weights (the GGUF's own blocks): ragsd and rapid with eta = 0 equal lc token for token on a
-    real document, with drafts that were verified.
+def test_builtin_model_at_its_files_precision_drafts_and_verifies(real_model):
+    """The default weights (the GGUF's own blocks) on a real document: ragsd and rapid with eta = 0 draft, and
+    the target accepts drafts.
 
-    (Lean against transformers is not compared here: the low-bit kernels round their inputs to bfloat16, so
-    the two forwards' float32 differences can flip a near tie, as in a bfloat16 model.)"""
+    Token-for-token equality with lc is not asserted: the low-bit kernels round their inputs to bfloat16, so
+    a verification's float32 differences from a 1-token step can flip a near tie, as in a bfloat16 model (on
+    this document the answers first differed at token 31 of 32, 57 against 49, in one run of two). The
+    equality is checked exactly on a tiny model at the file's precision (tests/test_gguf_linears.py) and on
+    the float copy (above)."""
     from rapidspec.demo_document import demo_document
 
     item = demo_document(3000)
     lean = real_model(quantize="gguf")
     assert lean.quantization == "gguf" and lean.runtime == "lean"
     engine = Rapid(lean, drafter_backend="torch")
-    options = dict(max_new_tokens=32, ignore_eos=True)
-    expected = engine.generate(item.document, item.question, mode="lc", **options)
     for mode in ("ragsd", "rapid"):
-        out = engine.generate(item.document, item.question, mode=mode, eta=0.0, drafter_start="first", **options)
-        assert out.token_ids == expected.token_ids and out.stats.drafted_tokens > 0, mode
+        out = engine.generate(item.document, item.question, mode=mode, eta=0.0, drafter_start="first",
+                              max_new_tokens=32, ignore_eos=True)
+        assert len(out.token_ids) == 32 and out.stats.drafted_tokens > 0 and out.stats.accepted_tokens > 0, mode
