@@ -160,6 +160,24 @@ def test_eta_zero_greedy_with_a_late_drafter_equals_lc(tiny_model):
     assert out.token_ids == lc.token_ids and out.stats.drafted_tokens > 0
 
 
+def test_a_drafter_prefilled_beside_the_target_joins_under_the_cost_schedule(tiny_model, tmp_path):
+    """drafter_prefill="beside" with the default join: the llama.cpp drafter joins at the first round's end and the
+    cost schedule plans its rounds with the calibrated costs (it was once given none and the second round failed)."""
+    from rapidspec.runtime.llama_cpp import llama_cpp_available
+    from tests.tiny_gguf import write_tiny_gguf
+
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    rapid = Rapid(tiny_model, str(write_tiny_gguf(tiny_model, tmp_path / "self.gguf")), retrieval=RETRIEVAL,
+                  drafter_backend="llama.cpp", drafter_prefill="beside")
+    rapid.costs = StaticCosts()
+    lc = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=32, ignore_eos=True)
+    out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, max_new_tokens=32, ignore_eos=True,
+                         gamma_schedule="cost")
+    assert out.stats.drafter_prefill_beside and out.stats.drafter_joined_at == 1
+    assert out.stats.drafted_tokens > 0 and out.token_ids == lc.token_ids
+
+
 def test_the_prefill_runs_in_pieces_of_about_one_plain_step(tiny_model):
     """200 retrieved tokens and more, 16 a piece (a plain step's worth): the drafter joins after that many rounds."""
     costs = StaticCosts(drafter=DrafterCosts(0.001, 0.1 / MIN_PIECE_TOKENS))  # 16 tokens cost one plain step

@@ -187,7 +187,10 @@ class DrafterJoin:
 
     def _between_rounds(self, target_cache, target_seq: list[int], answer: list[int], remaining: int):
         if self.beside is not None:  # joins at the first boundary, whatever it cost (spare cores)
-            return self._join(self._started(), answer)
+            drafter = self._started()
+            if drafter is not None:
+                self._step_costs(target_cache, target_seq)  # the schedule plans with them
+            return self._join(drafter, answer)
         target, drafter = self._step_costs(target_cache, target_seq)
         if drafter is None:  # lookup: no model, no prefill: drafts from the next round
             self._resolve()
