@@ -41,8 +41,11 @@ $(VLLM_STAMP): $(SETUP_FILES) rapidspec/vllm/environment.py rapidspec/bench/llam
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/rapidspec demo
 
+# one pytest-xdist worker per CPU, each computing on one thread (tests/conftest.py); loadgroup: one worker runs vLLM
+PYTEST := $(PY) -m pytest -q -ra --durations=10 -n auto --dist loadgroup
+
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -ra --durations=10
+	$(PYTEST)
 
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -q -ra --durations=10 -m "not slow and not vllm and not browser"
+	$(PYTEST) -m "not slow and not vllm and not browser"

@@ -128,9 +128,12 @@ FIXTURE_MARKERS = {"real_model": ("slow",), "vllm_offline": ("slow", "vllm")}
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        for fixture in FIXTURE_MARKERS.keys() & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        for fixture in FIXTURE_MARKERS.keys() & fixtures:
             for name in FIXTURE_MARKERS[fixture]:
                 item.add_marker(name)
+        if "vllm_offline" in fixtures:  # `pytest -n N --dist loadgroup`: one worker starts the run's vLLM process
+            item.add_marker(pytest.mark.xdist_group("vllm-offline"))
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-import httpx
+from tests.server_harness import HTTP
 
 CAP = 4  # tokens the engine generates at most, per request
 TRIED = {"bodies": 0, "5xx": 0}
@@ -64,5 +64,5 @@ def post(server: str, path: str = "/v1/chat/completions", body=None, raw: bytes 
     """POST ``body`` as JSON (or ``raw`` bytes); returns (response, its 4xx error object or None)."""
     headers = {"content-type": "application/json"} | (headers or {})
     content = raw if raw is not None else json.dumps(body).encode()
-    response = httpx.post(f"{server}{path}", content=content, headers=headers, timeout=60)
+    response = HTTP.post(f"{server}{path}", content=content, headers=headers, timeout=60)
     return response, check(response.status_code, response.headers.get("content-type", ""), response.content)

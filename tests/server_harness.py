@@ -16,6 +16,9 @@ from rapidspec.server import ServerConfig, create_app
 from rapidspec.server.http import uvicorn_config
 
 START_TIMEOUT_S = 30
+#: The tests' HTTP client: ``HTTP.post(...)`` as ``HTTP.post(...)`` (a new connection each request, httpx's default
+#: timeout of 5 s) without building a client, and its TLS context (about 40 ms), for every request.
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def free_port() -> int:
@@ -80,7 +83,7 @@ def serve_subprocess(*options: str, env: dict | None = None):
     try:
         def healthy() -> bool:
             try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+                return HTTP.get(f"{url}/health", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return process.poll() is not None
         assert wait_until(healthy, timeout=120, every=0.2) and process.poll() is None
@@ -102,7 +105,7 @@ def wait_until(condition, timeout: float = 10.0, every: float = 0.05) -> bool:
 
 def metric(url: str, name: str, **labels) -> float:
     """The value of one sample of ``/metrics`` (0 when absent)."""
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+    for line in HTTP.get(f"{url}/metrics", timeout=5).text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 return float(line.rsplit(" ", 1)[1])

@@ -13,7 +13,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import torch
 
@@ -23,7 +22,7 @@ from rapidspec.runtime.batching import ForwardBatcher, batching, current_batcher
 from rapidspec.runtime.lean import LeanModel, Row
 from rapidspec.runtime.lean_cache import LeanKVCache
 from rapidspec.server.worker import Worker
-from tests.server_harness import running_server
+from tests.server_harness import HTTP, running_server
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
 DOCUMENT = " ".join(f"Fact {i}: the archive of room {i} opens at {i % 12 + 1} o'clock." for i in range(60))
@@ -182,7 +181,7 @@ def _answers(url: str, questions: list[str], mode: str, concurrently: bool) -> l
     def ask(question: str) -> str:
         body = {"messages": [{"role": "user", "content": question}], "documents": [DOCUMENT], "max_tokens": 24,
                 "mode": mode, "temperature": 0, "ignore_eos": True}
-        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        response = HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["message"]["content"]
 
@@ -203,7 +202,7 @@ def test_requests_served_together_answer_as_alone(lean_target, lean_drafter, dra
     apps: list = []
     with running_server(engine, apps, max_num_seqs=4, batch_steps=True) as url:
         together = _answers(url, QUESTIONS, mode, concurrently=True)
-        health = httpx.get(f"{url}/health", timeout=10).json()
+        health = HTTP.get(f"{url}/health", timeout=10).json()
     assert together == alone
     assert health["batch_steps"] is True
     assert max(apps[0].state.server.worker.batch_rows or [1]) > 1  # some forwards did run several rows

@@ -11,7 +11,6 @@ import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ from rapidspec import Rapid
 from rapidspec.drafting.calibration import DrafterCosts, TargetCosts
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.lean import LeanModel
-from tests.server_harness import running_server
+from tests.server_harness import HTTP, running_server
 from tests.static_costs import StaticCosts
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
@@ -37,7 +36,7 @@ def lean_target(tiny_model):
 def _ask(url: str, question: str, **options) -> dict:
     body = {"messages": [{"role": "user", "content": question}], "documents": [DOCUMENT], "max_tokens": 60,
             "temperature": 0, "ignore_eos": True, "eta": 1.0, **options}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    response = HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.server_harness import HTTP
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -238,7 +239,7 @@ def _start_server(block: Block, work: Path, env: dict[str, str]) -> subprocess.P
         if proc.poll() is not None:
             pytest.fail(f"{block.where} exited ({proc.returncode}):\n{(work / log.name).read_text()[-3000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if HTTP.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass

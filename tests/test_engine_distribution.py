@@ -52,7 +52,7 @@ class MarkovLM(torch.nn.Module):
         return self.lm_head
 
     def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=1):
-        return SimpleNamespace(logits=self.table[input_ids][:, -logits_to_keep:])
+        return SimpleNamespace(logits=self.table[input_ids[:, -logits_to_keep:]])
 
 
 def markov_table(tokenizer, rows: dict[int, list[float]], states: list[int], default: list[float]) -> torch.Tensor:
@@ -70,6 +70,14 @@ def loaded(model: MarkovLM, tokenizer) -> LoadedModel:
         name="markov", model=model, tokenizer=tokenizer, device=model.device, dtype=torch.float32,
         max_context=100_000, source="table",
     )
+
+
+def sampled_answers(rapid: Rapid, n: int, generator: torch.Generator, document: str = DOCUMENT,
+                    question: str = QUESTION, **options) -> list[list[int]]:
+    """The token ids of ``n`` answers to one question, sampled through the engine's decode (prompts built once)."""
+    config = DecodeConfig(**options)
+    prompts = rapid.document_prompts(document, question, config)
+    return [last_output(rapid.decode(prompts, config, generator=generator)).token_ids for _ in range(n)]
 
 
 def augmented_numpy(p: np.ndarray, q: np.ndarray, eta: float, alpha: float) -> np.ndarray:
@@ -128,12 +136,9 @@ def test_sampled_sequences_follow_the_target(markov_pair, mode, eta, confidence)
     n = 3000
     index = {s: i for i, s in enumerate(states)}
     counts = np.zeros((4, 4, 4))
-    for _ in range(n):
-        out = rapid.generate(
-            DOCUMENT, QUESTION, mode=mode, eta=eta, gamma=2, temperature=1.0, max_new_tokens=3,
-            draft_confidence=confidence, generator=generator, gamma_schedule="constant",
-        )
-        counts[tuple(index[t] for t in out.token_ids)] += 1
+    for answer in sampled_answers(rapid, n, generator, mode=mode, eta=eta, gamma=2, temperature=1.0, max_new_tokens=3,
+                                  draft_confidence=confidence, gamma_schedule="constant"):
+        counts[tuple(index[t] for t in answer)] += 1
     expected = expected_joint(eta, 0.1, 3).ravel() * n
     assert chisquare(counts.ravel(), expected * (n / expected.sum())).pvalue > 1e-4
 
@@ -346,10 +351,9 @@ def test_sampled_sequences_under_a_grammar_follow_the_constrained_target(markov_
     n = 3000
     index = {s: i for i, s in enumerate(states)}
     counts = np.zeros((4, 4, 4))
-    for _ in range(n):
-        out = rapid.generate(DOCUMENT, QUESTION, mode=mode, eta=eta, gamma=2, gamma_schedule="constant",
-                             temperature=1.0, max_new_tokens=3, grammar=GRAMMAR, generator=generator)
-        counts[tuple(index[t] for t in out.token_ids)] += 1
+    for answer in sampled_answers(rapid, n, generator, mode=mode, eta=eta, gamma=2, gamma_schedule="constant",
+                                  temperature=1.0, max_new_tokens=3, grammar=GRAMMAR):
+        counts[tuple(index[t] for t in answer)] += 1
     expected = expected_joint_under_grammar(eta, 0.1).ravel() * n
     allowed = expected > 0
     assert counts.ravel()[~allowed].sum() == 0

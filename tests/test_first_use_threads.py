@@ -26,7 +26,7 @@ from rapidspec.drafting.factory import DrafterFactory
 from rapidspec.grammar import Grammar, GrammarTokens
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.lean import LeanModel
-from tests.server_harness import running_server
+from tests.server_harness import HTTP, running_server
 
 THREADS = 16
 JOIN_S = 60
@@ -116,7 +116,7 @@ def test_many_first_requests_at_once(server):
                 "documents": [" ".join(f"Fact {j} of request {i}." for j in range(5 + 8 * i))]}
         if i % 2 == 0:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema(i)}}
-        return httpx.post(f"{server}/v1/chat/completions", json=body, timeout=JOIN_S)
+        return HTTP.post(f"{server}/v1/chat/completions", json=body, timeout=JOIN_S)
 
     answers = at_once(ask)
     for i, response in enumerate(answers):

@@ -21,13 +21,12 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from rapidspec import Rapid
 from rapidspec.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
-from tests.server_harness import running_server
+from tests.server_harness import HTTP, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 KEY = "page-test-key"
@@ -150,7 +149,7 @@ def api_stream(server: str, item=None, question: str | None = None, max_tokens: 
     if item is not None:
         body["documents"] = [item.document]
     started, times = time.perf_counter(), []
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=300,
+    with HTTP.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=300,
                       headers={"Authorization": f"Bearer {KEY}"}) as response:
         for line in response.iter_lines():
             if line.startswith("data: {") and '"tokens"' in line:

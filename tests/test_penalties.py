@@ -15,7 +15,7 @@ from rapidspec.penalties import Penalties, path_counts, penalise
 from rapidspec.retrieval import RetrievalConfig
 from tests.test_engine_distribution import DOCUMENT as MARKOV_DOCUMENT
 from tests.test_engine_distribution import DRAFT_ROWS, DRAFT_START, QUESTION as MARKOV_QUESTION, TARGET_ROWS, TARGET_START
-from tests.test_engine_distribution import augmented_numpy, markov_pair  # noqa: F401  (a fixture)
+from tests.test_engine_distribution import augmented_numpy, markov_pair, sampled_answers  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
 
@@ -138,10 +138,9 @@ def test_sampled_sequences_follow_the_penalised_target(markov_pair, mode, eta): 
     n = 3000
     index = {s: i for i, s in enumerate(states)}
     counts = np.zeros((4, 4, 4))
-    for _ in range(n):
-        out = rapid.generate(MARKOV_DOCUMENT, MARKOV_QUESTION, mode=mode, eta=eta, gamma=2, gamma_schedule="constant",
-                             temperature=1.0, max_new_tokens=3, generator=generator, **PENALTIES)
-        counts[tuple(index[t] for t in out.token_ids)] += 1
+    for answer in sampled_answers(rapid, n, generator, MARKOV_DOCUMENT, MARKOV_QUESTION, mode=mode, eta=eta, gamma=2,
+                                  gamma_schedule="constant", temperature=1.0, max_new_tokens=3, **PENALTIES):
+        counts[tuple(index[t] for t in answer)] += 1
     prompt = rapid.document_prompts(MARKOV_DOCUMENT, MARKOV_QUESTION, DecodeConfig(mode="lc")).target_ids
     seen = np.array([s in prompt for s in states])  # the template's "below" and "text": w and x
     assert seen.any() and not seen.all()

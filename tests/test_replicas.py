@@ -29,7 +29,7 @@ from rapidspec.engine.spec import EngineSpec
 from rapidspec.models.spec import ModelSpec
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig
-from tests.server_harness import free_port, wait_until
+from tests.server_harness import HTTP, free_port, wait_until
 
 NOTES = [f"Day {i}: the garden had {i} tulips and the kettle was blue." for i in range(30)]
 
@@ -55,7 +55,7 @@ def replicas(tiny_model_dir):
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # bounded: until both replicas have reported
             try:
-                if len(httpx.get(f"{url}/health", timeout=5).json().get("replicas", [])) == 2:
+                if len(HTTP.get(f"{url}/health", timeout=5).json().get("replicas", [])) == 2:
                     break
             except (httpx.HTTPError, ValueError):
                 pass
@@ -77,7 +77,7 @@ def _turn(url: str, conversation: int | str, turns: int, header: bool) -> dict:
         messages += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": f"And turn {turn}?"}]
     body = {"model": "tiny", "messages": messages, "max_tokens": 4, "ignore_eos": True, "mode": "lc"}
     headers = {"x-session-id": f"conversation-{conversation}"} if header else {}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    response = HTTP.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -104,7 +104,7 @@ class Stream:
 
     def _read(self, url: str, session: str) -> None:
         try:
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "stream": True},
+            with HTTP.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "stream": True},
                               headers={"x-session-id": session}, timeout=120) as response:
                 self._response = response
                 if self._stop.is_set():
@@ -132,7 +132,7 @@ class Stream:
 
 
 def _replicas(url: str) -> list[dict]:
-    return httpx.get(f"{url}/health", timeout=10).json()["replicas"]
+    return HTTP.get(f"{url}/health", timeout=10).json()["replicas"]
 
 
 def _idle(url: str) -> bool:
@@ -145,7 +145,7 @@ def _busy(url: str, running: int, waiting: int) -> str | None:
 
 
 def _overflows(url: str) -> float:
-    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    lines = HTTP.get(f"{url}/metrics", timeout=10).text.splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("rapidspec:affinity_overflow_total"))
 
 
@@ -166,13 +166,13 @@ def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, heade
     for conversation in range(4):
         second = answers[(conversation, 2)]["rapidspec"]["stats"]
         assert second["target_prefill_reused_tokens"] > 0, conversation  # the first turn's cache was there
-    health = httpx.get(f"{replicas}/health", timeout=10).json()
+    health = HTTP.get(f"{replicas}/health", timeout=10).json()
     assert health["status"] == "ok" and len(health["replicas"]) == 2
-    assert "static/app.js" in httpx.get(f"{replicas}/", timeout=10).text  # the page, through Serve's proxy
+    assert "static/app.js" in HTTP.get(f"{replicas}/", timeout=10).text  # the page, through Serve's proxy
 
     def served() -> dict[str, float]:  # replica -> finished requests, from the merged /metrics
         out: dict[str, float] = {}
-        for line in httpx.get(f"{replicas}/metrics", timeout=10).text.splitlines():
+        for line in HTTP.get(f"{replicas}/metrics", timeout=10).text.splitlines():
             if line.startswith("rapidspec:request_success_total{"):
                 replica = line.split('replica="')[1].split('"')[0]
                 out[replica] = out.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -222,7 +222,7 @@ def test_a_killed_replica_ends_its_requests_cleanly_and_the_others_serve_at_once
 
     def long_answer() -> None:
         try:
-            outcome["response"] = httpx.post(f"{replicas}/v1/chat/completions", json=LONG,
+            outcome["response"] = HTTP.post(f"{replicas}/v1/chat/completions", json=LONG,
                                              headers={"x-session-id": "doomed"}, timeout=120)
         except httpx.HTTPError as err:  # a dropped connection is an error too, not a hang
             outcome["error"] = err

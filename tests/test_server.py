@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import openai
 import pytest
 
 from rapidspec import Rapid
 from rapidspec.drafting.eta_default import DEFAULT_ETA
 from rapidspec.retrieval import RetrievalConfig
-from tests.server_harness import SlowEngine, metric, running_server, wait_until
+from tests.server_harness import HTTP, SlowEngine, metric, running_server, wait_until
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
 NOTES = [f"Day {i}: the garden had {i} tulips and the kettle was blue." for i in range(40)]
@@ -42,7 +41,7 @@ def client(server):
 
 def test_models_and_health(client, server, engine):
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    health = httpx.get(f"{server}/health").json()
+    health = HTTP.get(f"{server}/health").json()
     assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
     # which eta rapid uses when a request names none, and why (the drafter is another model of the same size)
     assert health["rapid_eta"] == {"default": DEFAULT_ETA["larger"], "reason": "default for a drafter at least as large as the target",
@@ -160,7 +159,7 @@ BAD_BODIES = [
 def test_bad_input_is_a_400_with_openai_error_schema(server, body, code, param, stream):
     if stream and isinstance(body, dict):
         body = body | {"stream": True}
-    response = httpx.post(f"{server}/v1/chat/completions", timeout=30, headers={"content-type": "application/json"},
+    response = HTTP.post(f"{server}/v1/chat/completions", timeout=30, headers={"content-type": "application/json"},
                           **({"content": body} if isinstance(body, str) else {"json": body}))
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -175,7 +174,7 @@ def test_bad_input_is_a_400_with_openai_error_schema(server, body, code, param, 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_unknown_model_is_a_404_as_openai_answers(server, stream):
     body = {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    response = HTTP.post(f"{server}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 404, response.text
     error = response.json()["error"]
     assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
@@ -201,7 +200,7 @@ def test_truncate_option_lets_a_long_prompt_through(client):
 
 
 def test_unknown_route_is_a_404_in_the_same_schema(server):
-    response = httpx.get(f"{server}/v1/nothing")
+    response = HTTP.get(f"{server}/v1/nothing")
     assert response.status_code == 404 and "error" in response.json()
 
 
@@ -216,7 +215,7 @@ def test_full_queue_answers_429_and_nothing_is_lost(engine):
         waiter = threading.Thread(target=lambda: results.update(
             waiting=client.chat.completions.create(**body, max_tokens=3)))
         waiter.start()
-        assert wait_until(lambda: httpx.get(f"{url}/health").json()["waiting"] == 1)
+        assert wait_until(lambda: HTTP.get(f"{url}/health").json()["waiting"] == 1)
         with pytest.raises(openai.RateLimitError) as err:
             client.chat.completions.create(**body, max_tokens=3)
         assert err.value.status_code == 429 and err.value.body["code"] == "queue_full"
@@ -236,7 +235,7 @@ def test_a_short_request_is_answered_while_a_long_one_streams(engine):
         next(iter(long))  # the long answer is running
         short = client.chat.completions.create(**body, max_tokens=3)
         assert short.usage.completion_tokens == 3
-        health = httpx.get(f"{url}/health").json()
+        health = HTTP.get(f"{url}/health").json()
         assert health["running"] == 1 and health["max_num_seqs"] == 2  # the long one still runs
         long.close()
         assert slow.chunks_made < 400
@@ -250,7 +249,7 @@ def test_a_client_that_disconnects_frees_the_engine(engine):
                                                 extra_body={"ignore_eos": True, "mode": "lc"})
         next(iter(stream))
         stream.close()
-        assert wait_until(lambda: httpx.get(f"{url}/health").json()["running"] == 0)
+        assert wait_until(lambda: HTTP.get(f"{url}/health").json()["running"] == 0)
         made = slow.chunks_made
         assert made < 200  # stopped long before 2000 tokens
         out = client.chat.completions.create(model="tiny", messages=HISTORY, max_tokens=2)
@@ -273,7 +272,7 @@ def test_metrics_move(client, server):
 
 
 def test_a_body_that_is_not_a_json_object_is_a_400(server):
-    response = httpx.post(f"{server}/v1/chat/completions", content=b"hello", timeout=30)
+    response = HTTP.post(f"{server}/v1/chat/completions", content=b"hello", timeout=30)
     assert response.status_code == 400 and "JSON object" in response.json()["error"]["message"]
 
 
@@ -289,7 +288,7 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(tiny_model_dir):
     with serve_subprocess("--target", str(model_dir), "--retrieval", "bm25", "--shutdown-timeout", "20",
                           "--dtype", "float32", "--max-model-len", "3600", "--request-time-limit", "120",
                           env=os.environ | {"RAPIDSPEC_API_KEY": "sesame"}) as (process, url):
-        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert HTTP.get(f"{url}/v1/models").status_code == 401
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0, timeout=60)
         assert client.models.list().data[0].model_extra["max_model_len"] == 3600
         stream = client.chat.completions.create(model=str(model_dir), messages=HISTORY, max_tokens=1500, stream=True,

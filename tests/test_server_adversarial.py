@@ -17,7 +17,6 @@ import json
 import logging
 import re
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -25,7 +24,7 @@ from hypothesis import strategies as st
 from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
 from tests.hostile import GOOD, HI, REFUSED, CappedEngine, check, post
-from tests.server_harness import running_server
+from tests.server_harness import HTTP, running_server
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.checks import positive_data_acceptance  # noqa: E402
@@ -46,7 +45,7 @@ def server(engine):
 
 @pytest.fixture(scope="module")
 def api(server):
-    spec = httpx.get(f"{server}/openapi.json", timeout=10).json()
+    spec = HTTP.get(f"{server}/openapi.json", timeout=10).json()
     return schemathesis.openapi.from_dict(spec, config=schemathesis.Config())
 
 
@@ -100,7 +99,7 @@ def test_every_route_passes_schemathesis_checks(api, server, method, path, mode)
 
 @pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models", "/version", "/openapi.json", "/v1/nothing"])
 def test_the_get_routes(server, path):
-    response = httpx.get(f"{server}{path}", params={"x": "\x00", "model": "'"}, timeout=10)
+    response = HTTP.get(f"{server}{path}", params={"x": "\x00", "model": "'"}, timeout=10)
     check(response.status_code, response.headers.get("content-type", ""), response.content)
     assert response.status_code == (404 if path == "/v1/nothing" else 200)
 
@@ -251,7 +250,7 @@ def test_a_body_over_max_request_bytes_is_a_413(engine):
         response, error = post(url, body=GOOD | {"user": "u" * 8192})
         assert response.status_code == 413 and error is not None
         chunks = (b'{"messages": [{"role": "user", "content": "' + b"x" * 1024 for _ in range(8))
-        response = httpx.post(f"{url}/v1/chat/completions", content=chunks, timeout=30)  # no Content-Length
+        response = HTTP.post(f"{url}/v1/chat/completions", content=chunks, timeout=30)  # no Content-Length
         assert check(response.status_code, "", response.content) and response.status_code == 413
         assert post(url, body=GOOD)[0].status_code == 200
 
@@ -261,8 +260,8 @@ def test_an_api_key_guards_v1_and_metrics_but_not_health(engine):
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
                              ("GET", "/metrics")]:
             for auth in ({}, {"authorization": "Bearer wrong"}, {"authorization": "k"}):
-                response = httpx.request(method, f"{url}{path}", json=GOOD, headers=auth, timeout=30)
+                response = HTTP.request(method, f"{url}{path}", json=GOOD, headers=auth, timeout=30)
                 check(response.status_code, response.headers.get("content-type", ""), response.content)
                 assert response.status_code == 401, (path, auth, response.text)
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        assert HTTP.get(f"{url}/health", timeout=10).status_code == 200
         assert post(url, body=GOOD, headers={"authorization": "Bearer k"})[0].status_code == 200

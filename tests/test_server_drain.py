@@ -20,19 +20,19 @@ from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig, create_app
 from rapidspec.server.http import RETRY_AFTER_S, DrainingServer, uvicorn_config
-from tests.server_harness import SlowEngine, free_port, metric, serve_subprocess, wait_until
+from tests.server_harness import HTTP, SlowEngine, free_port, metric, serve_subprocess, wait_until
 
 ASK = {"messages": [{"role": "user", "content": "Tell me a long story."}], "ignore_eos": True, "mode": "lc"}
 
 
 def _assert_refused(url: str) -> None:
     """A new generation request is a 503 in OpenAI's body, with Retry-After; /health says draining."""
-    refused = httpx.post(f"{url}/v1/chat/completions", json={**ASK, "max_tokens": 4}, timeout=10)
+    refused = HTTP.post(f"{url}/v1/chat/completions", json={**ASK, "max_tokens": 4}, timeout=10)
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"] == {"message": refused.json()["error"]["message"], "type": "server_error",
                                        "param": None, "code": "shutting_down"}
     assert refused.headers["retry-after"] == str(RETRY_AFTER_S)
-    health = httpx.get(f"{url}/health", timeout=10)
+    health = HTTP.get(f"{url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "draining"
     assert metric(url, "rapidspec:request_failure_total", reason="shutting_down") >= 1  # /metrics still answers
 
@@ -45,7 +45,7 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_model
     with serve_subprocess("--target", str(tiny_model_dir), "--retrieval", "bm25", "--dtype", "float32",
                           "--shutdown-timeout", "60", "--max-model-len", "1024", "--request-time-limit", "120") \
             as (process, url):
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**ASK, "max_tokens": 600, "stream": True},
+        with HTTP.stream("POST", f"{url}/v1/chat/completions", json={**ASK, "max_tokens": 600, "stream": True},
                           timeout=60) as stream:
             lines = stream.iter_lines()
             assert next(lines).startswith("data: ")  # generating
@@ -53,7 +53,7 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_model
             signalled = time.monotonic()
 
             def draining() -> bool:
-                return httpx.get(f"{url}/health", timeout=5).json()["status"] == "draining"
+                return HTTP.get(f"{url}/health", timeout=5).json()["status"] == "draining"
             assert wait_until(draining, timeout=10, every=0.05)
             _assert_refused(url)
             events = _events(lines)
@@ -86,7 +86,7 @@ def test_the_drain_ends_at_its_time_limit_and_cancels_what_still_runs(engine):
 
     def long_stream() -> None:
         try:
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json={**ASK, "max_tokens": 2000, "stream": True},
+            with HTTP.stream("POST", f"{url}/v1/chat/completions", json={**ASK, "max_tokens": 2000, "stream": True},
                               timeout=60) as stream:
                 received.extend(stream.iter_lines())
         except httpx.HTTPError:

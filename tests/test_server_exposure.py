@@ -26,7 +26,7 @@ from rapidspec.config import DecodeConfig
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server.worker import Worker
 from tests.hostile import GOOD, HI, check, post
-from tests.server_harness import SlowEngine, running_server, wait_until
+from tests.server_harness import HTTP, SlowEngine, running_server, wait_until
 
 READ_TIMEOUT_S = 1.0
 
@@ -152,7 +152,7 @@ def test_preparation_runs_off_the_engine_thread(rapid):
             assert engine.preparing.wait(30)
             small = post(url, body=GOOD)[0]  # answered while the other one is still being prepared
             assert small.status_code == 200 and thread.is_alive()
-            assert httpx.get(f"{url}/health", timeout=10).json()["waiting"] == 1  # the prepared one holds a place
+            assert HTTP.get(f"{url}/health", timeout=10).json()["waiting"] == 1  # the prepared one holds a place
         finally:
             engine.gate.set()
             thread.join(30)
@@ -172,8 +172,8 @@ def test_a_client_that_leaves_during_preparation_frees_its_place(rapid):
     engine = GatedEngine(rapid)
     with running_server(engine) as url:
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(f"{url}/v1/chat/completions", json=GOOD | {"documents": ["GATE cats"]}, timeout=1.0)
-        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).json()["waiting"] == 0, timeout=10)
+            HTTP.post(f"{url}/v1/chat/completions", json=GOOD | {"documents": ["GATE cats"]}, timeout=1.0)
+        assert wait_until(lambda: HTTP.get(f"{url}/health", timeout=5).json()["waiting"] == 0, timeout=10)
         engine.gate.set()
         assert post(url, body=GOOD)[0].status_code == 200
 
@@ -218,12 +218,12 @@ def test_log_probabilities_never_wait_on_the_size_checks_tokenizer(rapid):
     with running_server(SlowEngine(rapid, delay=0.05), apps=apps) as url:
         lock = apps[0].state.server.tokens._lock
         body = GOOD | {"stream": True, "logprobs": True, "top_logprobs": 3, "max_tokens": 6, "ignore_eos": True}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+        with HTTP.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: ") and '"logprobs": {' in line)
             with lock:  # a size check or /tokenize holding it
                 rest = [line for line in lines if line.startswith("data: ")]
-                assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+                assert HTTP.get(f"{url}/health", timeout=5).status_code == 200
     assert rest[-1] == "data: [DONE]" and json.loads(first[6:])["choices"][0]["logprobs"]["content"]
 
 

@@ -20,7 +20,7 @@ import pytest
 from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
 from tests.hostile import GOOD, HI, STATUSES, TRIED, CappedEngine, post
-from tests.server_harness import running_server
+from tests.server_harness import HTTP, running_server
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_head_health_is_a_200(server):
 def test_the_server_still_answers_and_nothing_is_left_running(server, capsys, record_property):
     response, _ = post(server, body=GOOD)
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] is not None
-    health = httpx.get(f"{server}/health", timeout=10).json()
+    health = HTTP.get(f"{server}/health", timeout=10).json()
     assert health["running"] == 0 and health["waiting"] == 0, health
     statuses = ", ".join(f"{status}: {count}" for status, count in sorted(STATUSES.items()))
     line = f"hostile: {TRIED['bodies']} requests, {TRIED['5xx']} 5xx ({statuses})"

@@ -13,7 +13,7 @@ from rapidspec import DecodeConfig, Rapid
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig, create_app
-from tests.server_harness import SlowEngine, running_server, wait_until
+from tests.server_harness import HTTP, SlowEngine, running_server, wait_until
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -30,19 +30,19 @@ def server(engine):
 
 
 def post(url: str, body, timeout: float = 30, **options) -> httpx.Response:
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout, **options)
+    return HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=timeout, **options)
 
 
 def test_api_key_guards_everything_but_health(engine):
     with running_server(engine, api_key="sesame") as url:
-        assert httpx.get(f"{url}/health").status_code == 200
+        assert HTTP.get(f"{url}/health").status_code == 200
         for path in ("/v1/models", "/metrics", "/version"):
-            refused = httpx.get(f"{url}{path}", headers={"Authorization": "Bearer wrong"})
+            refused = HTTP.get(f"{url}{path}", headers={"Authorization": "Bearer wrong"})
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert post(url, {"messages": HI, "max_tokens": 2}).status_code == 401
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0, timeout=30)
         assert client.chat.completions.create(model="tiny", messages=HI, max_tokens=2).choices[0].message.role == "assistant"
-        assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        assert HTTP.get(f"{url}/metrics", headers={"Authorization": "Bearer sesame"}).status_code == 200
 
 
 def test_request_bytes_over_the_limit_are_a_413_with_or_without_content_length(engine):
@@ -50,7 +50,7 @@ def test_request_bytes_over_the_limit_are_a_413_with_or_without_content_length(e
         big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 2}
         response = post(url, big)
         assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
-        chunked = httpx.post(f"{url}/v1/chat/completions", content=iter([b'{"messages": [', b" " * 5000, b"]}"]),
+        chunked = HTTP.post(f"{url}/v1/chat/completions", content=iter([b'{"messages": [', b" " * 5000, b"]}"]),
                              headers={"content-type": "application/json"}, timeout=30)
         assert chunked.status_code == 413
         assert post(url, {"messages": HI, "max_tokens": 2}).status_code == 200
@@ -58,18 +58,18 @@ def test_request_bytes_over_the_limit_are_a_413_with_or_without_content_length(e
 
 def test_cors_is_off_by_default_and_opens_to_the_allowed_origins(engine, server):
     origin = {"Origin": "http://app.example"}
-    assert "access-control-allow-origin" not in httpx.get(f"{server}/v1/models", headers=origin).headers
+    assert "access-control-allow-origin" not in HTTP.get(f"{server}/v1/models", headers=origin).headers
     with running_server(engine, allowed_origins=("http://app.example",), api_key="k") as url:
         preflight = httpx.options(f"{url}/v1/chat/completions", headers=origin | {
             "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
         assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "http://app.example"
-        allowed = httpx.get(f"{url}/v1/models", headers=origin | {"Authorization": "Bearer k"})
+        allowed = HTTP.get(f"{url}/v1/models", headers=origin | {"Authorization": "Bearer k"})
         assert allowed.headers["access-control-allow-origin"] == "http://app.example"
 
 
 def test_max_model_len_is_the_window_of_every_request(engine):
     with running_server(engine, decode=DecodeConfig(truncate="error", max_model_len=256)) as url:
-        assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 256
+        assert HTTP.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 256
         too_long = post(url, {"messages": [{"role": "user", "content": "word " * 100}], "max_tokens": 4})
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     with pytest.raises(RapidspecError, match="exceeds the model's 4096-token window"):
@@ -106,7 +106,7 @@ def test_a_non_streaming_client_that_leaves_frees_the_engine_within_a_round(engi
         with pytest.raises(httpx.ReadTimeout):
             post(url, {"messages": HI, "max_tokens": 400, "ignore_eos": True, "mode": "lc"}, timeout=1.0)
         left = time.perf_counter()
-        assert wait_until(lambda: httpx.get(f"{url}/health").json()["running"] == 0, timeout=10)
+        assert wait_until(lambda: HTTP.get(f"{url}/health").json()["running"] == 0, timeout=10)
         assert time.perf_counter() - left < 2.0 and slow.chunks_made < 100
 
 
@@ -163,7 +163,7 @@ def test_stream_options_needs_stream_and_usage_is_null_until_the_last_chunk(serv
     chunks = list(client.chat.completions.create(model="tiny", messages=HI, max_tokens=4, stream=True,
                                                  stream_options={"include_usage": True}))
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].usage.completion_tokens <= 4
-    raw = httpx.post(f"{server}/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "stream": True,
+    raw = HTTP.post(f"{server}/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "stream": True,
                                                            "stream_options": {"include_usage": True}}, timeout=30)
     events = [line for line in raw.text.splitlines() if line.startswith("data: {")]
     assert all('"usage": null' in line for line in events[:-1])
@@ -184,7 +184,7 @@ def test_chat_logprobs_streamed_and_not_agree(server):
 
 
 def test_completion_logprobs_in_the_legacy_shape(server):
-    out = httpx.post(f"{server}/v1/completions", json={"prompt": "The kettle", "max_tokens": 5, "logprobs": 2,
+    out = HTTP.post(f"{server}/v1/completions", json={"prompt": "The kettle", "max_tokens": 5, "logprobs": 2,
                                                         "ignore_eos": True}, timeout=30).json()
     logprobs = out["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 5
@@ -192,13 +192,13 @@ def test_completion_logprobs_in_the_legacy_shape(server):
 
 
 def test_tokenize_detokenize_and_version(server, engine):
-    tokenized = httpx.post(f"{server}/tokenize", json={"prompt": "hello kettle", "return_token_strs": True}).json()
+    tokenized = HTTP.post(f"{server}/tokenize", json={"prompt": "hello kettle", "return_token_strs": True}).json()
     assert tokenized["tokens"] == engine.tokenizer.encode("hello kettle") and tokenized["count"] == len(tokenized["tokens"])
     assert tokenized["max_model_len"] == 4096 and len(tokenized["token_strs"]) == tokenized["count"]
-    detokenized = httpx.post(f"{server}/detokenize", json={"tokens": tokenized["tokens"]}).json()
+    detokenized = HTTP.post(f"{server}/detokenize", json={"tokens": tokenized["tokens"]}).json()
     assert "hello kettle" in detokenized["prompt"]
     for body in ({"tokens": [-1]}, {"tokens": [10**9]}, {"prompt": "a", "messages": HI}, {}):
         route = "/detokenize" if "tokens" in body else "/tokenize"
-        response = httpx.post(f"{server}{route}", json=body)
+        response = HTTP.post(f"{server}{route}", json=body)
         assert response.status_code == 400 and "error" in response.json()
-    assert httpx.get(f"{server}/version").json()["version"]
+    assert HTTP.get(f"{server}/version").json()["version"]

@@ -28,7 +28,7 @@ from allpairspy import AllPairs
 from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
 from tests.hostile import check
-from tests.server_harness import running_server
+from tests.server_harness import HTTP, running_server
 from tests.test_server_tools import SCHEMAS, TEMPLATE, TOOLS
 
 MODES = ["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
@@ -192,7 +192,7 @@ def check_answer(case: dict, body: dict, response: httpx.Response) -> None:
 def test_option_combinations(server, values):
     case = dict(zip(NAMES, values))
     path, body = body_of(case)
-    response = httpx.post(f"{server}{path}", json=body, timeout=120)
+    response = HTTP.post(f"{server}{path}", json=body, timeout=120)
     error = check(response.status_code, response.headers.get("content-type", ""), response.content, body)
     refused = refused_field(body)
     if refused is not None:

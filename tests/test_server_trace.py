@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from rapidspec import Rapid
 from rapidspec.outputs import StreamChunk, token_kinds
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.stats import RoundRecord
-from tests.server_harness import running_server
+from tests.server_harness import HTTP, running_server
 
 ASK = {"model": "tiny", "messages": [{"role": "user", "content": "What colour was the kettle?"}], "max_tokens": 24,
        "documents": ["Day 3: the kettle was blue. " * 30], "temperature": 0, "stream": True}
@@ -24,7 +23,7 @@ def server(tiny_model):
 
 
 def events(url: str, body: dict) -> list[dict]:
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
+    response = HTTP.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
     assert response.status_code == 200, response.text
     return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
 
@@ -64,11 +63,11 @@ def test_plain_clients_see_nothing_new(server):
 
 
 def test_the_page_is_open_and_the_api_is_not(server):
-    page = httpx.get(f"{server}/", timeout=10)
+    page = HTTP.get(f"{server}/", timeout=10)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"] and "app.js" in page.text
     for name, kind in (("app.js", "javascript"), ("style.css", "css")):
-        response = httpx.get(f"{server}/static/{name}", timeout=10)
+        response = HTTP.get(f"{server}/static/{name}", timeout=10)
         assert response.status_code == 200 and kind in response.headers["content-type"]
-    assert httpx.get(f"{server}/static/../app.py", timeout=10).status_code in (401, 404)
-    assert httpx.get(f"{server}/static/secret.txt", timeout=10).status_code == 401  # not the page's: the key applies
-    assert httpx.get(f"{server}/v1/models", timeout=10).status_code == 401
+    assert HTTP.get(f"{server}/static/../app.py", timeout=10).status_code in (401, 404)
+    assert HTTP.get(f"{server}/static/secret.txt", timeout=10).status_code == 401  # not the page's: the key applies
+    assert HTTP.get(f"{server}/v1/models", timeout=10).status_code == 401

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -57,16 +59,30 @@ def test_a_helper_thread_computes_alone_and_leaves_the_computing_thread_its_thre
     assert _on_new_thread(None, computing_then_helper) == wanted
 
 
-@pytest.mark.skipif(not TASKS.is_dir() or compute_threads() < 2, reason="needs /proc and 2 or more torch threads")
-def test_a_helper_thread_starts_no_openmp_threads():
+def helper_starts_no_openmp_threads() -> None:
+    tasks = Path(f"/proc/{os.getpid()}/task")
+
     def threads_started_by_work():
-        before = len(list(TASKS.iterdir()))
+        before = len(list(tasks.iterdir()))
         _parallel_work()
-        return len(list(TASKS.iterdir())) - before
+        return len(list(tasks.iterdir())) - before
 
     assert _on_new_thread(helper_thread, threads_started_by_work) <= 0  # (another test's thread may end meanwhile)
     # the same work on a thread that is not a helper starts a team of torch's threads (the test's control)
     assert _on_new_thread(None, threads_started_by_work) > 0
+
+
+@pytest.mark.skipif(not TASKS.is_dir(), reason="needs /proc")
+def test_a_helper_thread_starts_no_openmp_threads():
+    if compute_threads() >= 2:
+        helper_starts_no_openmp_threads()
+        return
+    # a process computing on one thread (a pytest-xdist worker) checks it in a process of 2 torch threads
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    script = "from tests.test_threads import helper_starts_no_openmp_threads as check; check()"
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_worker_thread_computes_with_torch_threads():

@@ -217,7 +217,7 @@ class KVCache(HeldTokens):
             use_cache=True,
             logits_to_keep=num_logits,
         )
-        self._token_ids.extend(int(t) for t in token_ids)
+        self._token_ids.extend(map(int, token_ids))
         return out.logits[0, -num_logits:].to(self.device).float()  # [num_logits, V]
 
     def crop(self, length: int) -> None:
