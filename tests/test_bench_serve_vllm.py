@@ -221,7 +221,7 @@ def test_a_missing_vllm_venv_is_one_line(tiny_model, capsys, monkeypatch, tmp_pa
 
 
 def test_vllm_options_are_checked_before_anything_runs(capsys, fake_vllm):
-    for argv, message in ((["--peer", "llama.cpp", "--peer-speculation", "none"], "apply to --peer vllm"),
+    for argv, message in ((["--peer", "llama.cpp", "--peer-speculation", "rapid"], "among none, ngram, draft"),
                           (["--peer-model", "builtin"], "apply to --peer vllm"),
                           (["--peer-speculative-tokens", "4"], "apply to --peer vllm"),
                           (["--peer", "vllm", "--peer-parallel", "2"], "apply to --peer llama.cpp"),

@@ -33,6 +33,7 @@ from rapidspec.errors import RapidspecError
 
 NAME = "bench-serve"  # `rapidspec bench serve` is dispatched here (rapidspec.cli.main)
 PLACEHOLDER_URL = "http://127.0.0.1:8000"
+DEFAULT_NUM_PROMPTS = 32
 # options passed on to the `rapidspec serve` started here: (flag, dest)
 SERVER_OPTIONS = (("--target", "target"), ("--drafter", "drafter"), ("--drafter-backend", "drafter_backend"),
                   ("--quantize", "quantize"), ("--drafter-quantize", "drafter_quantize"), ("--device", "device"),
@@ -64,7 +65,8 @@ def register(subparsers) -> None:
     local.add_argument("--serve-args", default="", help="more options for rapidspec serve, one string, e.g. '--gamma 6 --eta 2'")
     local.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for it to be ready (default: %(default)s)")
     load = parser.add_argument_group("load")
-    load.add_argument("--num-prompts", type=int, default=32, help="requests to send (default: %(default)s)")
+    load.add_argument("--num-prompts", type=int, default=None,
+                      help="requests to send (default: every question of --documents, else 32)")
     load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once (default: no limit)")
     load.add_argument("--request-rate", type=float, default=float("inf"),
                       help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
@@ -74,6 +76,9 @@ def register(subparsers) -> None:
                       help="send one untimed request first and stop if it fails (default: on)")
     body = parser.add_argument_group("requests")
     body.add_argument("--dataset", default="builtin", help="builtin (the demo document), or a JSON/JSONL file of {document, question} records or a LoCoMo file")
+    body.add_argument("--documents", default=None, metavar="FILE.jsonl",
+                      help='one JSON object per line, {"document": "...", "questions": ["...", ...]}: each '
+                           "document's questions in turn (benchmarks/documents_file.py writes one); instead of --dataset")
     body.add_argument("--document-tokens", type=int, default=None, help="length of the built-in document in tokens (default: about 7K)")
     body.add_argument("--locomo-sessions", type=int, default=2, help="LoCoMo sessions sent as earlier turns (default: %(default)s)")
     body.add_argument("--max-tokens", default="32",
@@ -98,7 +103,11 @@ def register(subparsers) -> None:
     peer.add_argument("--peer-threads", type=int, default=None, help="the peer's threads (default: torch's, as rapidspec's)")
     peer.add_argument("--peer-args", default="", help="more options for the peer's server, one string, e.g. '-fa on'")
     peer.add_argument("--peer-speculation", default=None,
-                      help="vllm: the servers to run, comma-separated among none, ngram, rapid (default: all three)")
+                      help="the peer's servers to run, comma-separated: vllm among none, ngram, rapid (default: all "
+                           "three); llama.cpp among none, ngram (llama-server --spec-type ngram-mod), draft "
+                           "(--spec-type draft-simple with --peer-draft-gguf) (default: none)")
+    peer.add_argument("--peer-draft-gguf", default=None,
+                      help="llama.cpp: the draft model of --peer-speculation draft (a smaller GGUF of the target's family)")
     peer.add_argument("--peer-model", default=None,
                       help="vllm: the model vLLM serves, any name rapidspec models export takes (default: --target, "
                            "else the built-in model)")
@@ -110,8 +119,10 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rapidspec.bench.serve.load import LoadConfig
-    from rapidspec.bench.serve.dataset import load_requests
 
+    requests, dataset = _requests(args)
+    if args.num_prompts is None:
+        args.num_prompts = len(requests) if args.documents else DEFAULT_NUM_PROMPTS
     config = LoadConfig(
         base_url=args.base_url or PLACEHOLDER_URL, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
         request_rate=args.request_rate, seed=args.seed, max_tokens=_max_tokens(args.max_tokens), stream=args.stream,
@@ -121,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
     )
     launch = _launch_config(args)
     result_file = _result_file(args.result_file)
-    requests = load_requests(args.dataset, args.document_tokens, args.locomo_sessions)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_terminate_as_interrupt())  # servers started here are stopped on SIGTERM too
         peers = plan_peers(args, config, requests, stack)
@@ -132,11 +142,11 @@ def run(args: argparse.Namespace) -> int:
             from rapidspec.bench.serve.process import LocalServer
 
             summary = _measure_started(LocalServer(launch), config, requests, err, _redacted(launch.serve_args))
-        summary = {"dataset": args.dataset} | summary
+        summary = {"dataset": dataset} | summary
         summaries = {"rapidspec": summary}
         for peer in peers:
-            summaries[peer.name] = {"dataset": args.dataset} | _measure_peer(peer, requests, err)
-    result = summary if not peers else {"dataset": args.dataset, "servers": summaries}
+            summaries[peer.name] = {"dataset": dataset} | _measure_peer(peer, requests, err)
+    result = summary if not peers else {"dataset": dataset, "servers": summaries}
     if result_file is not None:
         result_file.write_text(json.dumps(result, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
     out = Console(width=None if Console().is_terminal else 120)
@@ -205,6 +215,17 @@ def _measure(config, requests, err: Console, counters: dict[str, str] | None = N
             progress.update(task, advance=1, description=", ".join(f"{k} {v}" for k, v in counts.items()))
 
         return run_benchmark(config, requests, on_done=done, counters=counters)
+
+
+def _requests(args: argparse.Namespace) -> tuple[list, str]:
+    """The load's requests and the name the report gives them (``--documents`` or ``--dataset``)."""
+    from rapidspec.bench.serve.dataset import BUILTIN, documents_requests, load_requests
+
+    if args.documents is None:
+        return load_requests(args.dataset, args.document_tokens, args.locomo_sessions), args.dataset
+    if args.dataset != BUILTIN or args.document_tokens is not None:
+        raise RapidspecError("--documents replaces --dataset and --document-tokens: give one of them")
+    return documents_requests(args.documents), args.documents
 
 
 def _max_tokens(text: str) -> int | tuple[int, ...]:

@@ -34,16 +34,27 @@ class Peer:
 
 def plan_peers(args: argparse.Namespace, config, requests, stack: contextlib.ExitStack) -> list[Peer]:
     """The peers of ``--peer`` (none without it); ``stack`` owns what they need until the run ends (a folder)."""
-    if args.peer != "vllm" and (args.peer_speculation or args.peer_speculative_tokens or args.peer_model):
-        raise RapidspecError("--peer-model, --peer-speculation and --peer-speculative-tokens apply to --peer vllm")
+    if args.peer != "vllm" and (args.peer_speculative_tokens or args.peer_model):
+        raise RapidspecError("--peer-model and --peer-speculative-tokens apply to --peer vllm")
+    if args.peer is None and args.peer_speculation:
+        raise RapidspecError("--peer-speculation applies to --peer llama.cpp and --peer vllm")
+    if args.peer != "llama.cpp" and args.peer_draft_gguf:
+        raise RapidspecError("--peer-draft-gguf applies to --peer llama.cpp")
     if args.peer is None:
         return []
     if args.peer == "llama.cpp":
-        from rapidspec.bench.serve.peer import PeerServer, peer_load
+        from rapidspec.bench.serve.peer import PeerServer, parse_speculations, peer_load
 
-        peer = _llama_config(args, config, requests)
-        return [Peer("llama.cpp", PeerServer(peer), peer_load(replace(config, api_key=None)),
-                     [str(peer.binary), *peer.args()])]
+        speculations = parse_speculations(args.peer_speculation or "none")
+        if args.peer_draft_gguf and "draft" not in speculations:
+            raise RapidspecError("--peer-draft-gguf is the draft model of --peer-speculation draft")
+        draft = Path(args.peer_draft_gguf).expanduser() if args.peer_draft_gguf else None
+        if "draft" in speculations and (draft is None or not draft.is_file()):
+            raise RapidspecError(f"--peer-speculation draft needs --peer-draft-gguf FILE (got {draft or 'none'})")
+        base = _llama_config(args, config, requests)
+        load = peer_load(replace(config, api_key=None))
+        peers = [replace(base, speculation=s, draft_gguf=draft if s == "draft" else None) for s in speculations]
+        return [Peer(peer.name, PeerServer(peer), load, [str(peer.binary), *peer.args()]) for peer in peers]
     return _vllm_peers(args, config, requests, stack)
 
 

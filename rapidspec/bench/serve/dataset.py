@@ -10,6 +10,11 @@
 * A LoCoMo file (a JSON list of ``{"conversation", "qa"}`` samples): the first
   sample's first sessions as earlier chat turns (the long context, no
   documents) and one of its questions as the last user message.
+* ``--documents FILE.jsonl`` (:func:`documents_requests`): one JSON object per
+  line, ``{"document": "...", "questions": ["...", ...]}``; each document's
+  questions in turn, so its follow-ups find it in the server's cache
+  (``benchmarks/documents_file.py`` writes such a file from any file
+  ``rapidspec eval`` reads, or from the built-in document, cut to a length).
 
 Request ``i`` of the load is ``requests[i % len(requests)]``.
 """
@@ -76,6 +81,43 @@ def file_requests(path: str | Path, locomo_sessions: int = 2) -> list[BenchReque
     if records and isinstance(records[0], dict) and "conversation" in records[0] and "qa" in records[0]:
         return _locomo_requests(path, records[0], locomo_sessions)
     return [BenchRequest(({"role": "user", "content": item.question},), (item.document,)) for item in load_items(path)]
+
+
+DOCUMENT_FIELDS = ("document", "questions")
+
+
+def documents_requests(path: str | Path) -> list[BenchRequest]:
+    """The requests of a ``--documents`` file: every document's questions, in turn, document after document."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise RapidspecError(f"cannot read the documents file {path}: {err}") from None
+    requests = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            document, questions = _document_record(line, f"{path}:{number}")
+            requests += [BenchRequest(({"role": "user", "content": q},), (document,)) for q in questions]
+    if not requests:
+        raise RapidspecError(f"{path}: no documents (one JSON object per line: "
+                             '{"document": "...", "questions": ["...", ...]})')
+    return requests
+
+
+def _document_record(line: str, where: str) -> tuple[str, list[str]]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise RapidspecError(f"{where}: not a JSON object ({err})") from None
+    if not isinstance(record, dict) or set(record) != set(DOCUMENT_FIELDS):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise RapidspecError(f"{where}: each line is one object with exactly the keys document and questions, got {keys}")
+    document, questions = record["document"], record["questions"]
+    if not isinstance(document, str) or not document.strip():
+        raise RapidspecError(f"{where}: document must be a non-empty string")
+    if not isinstance(questions, list) or not questions or not all(isinstance(q, str) and q.strip() for q in questions):
+        raise RapidspecError(f"{where}: questions must be a non-empty list of non-empty strings")
+    return document, questions
 
 
 def load_requests(dataset: str, document_tokens: int | None = None, locomo_sessions: int = 2) -> list[BenchRequest]:

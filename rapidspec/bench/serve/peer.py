@@ -19,6 +19,10 @@ The settings, and why (docs/bench_serve.md has the measurements):
 * ``-b 2048 -ub 512``, flash attention off: llama.cpp's defaults for batch
   sizes; prefill on 2 cores does not gain from larger ones, and flash
   attention decodes 2-3% slower here (docs/speed.md).
+* ``speculation`` (``--peer-speculation``): ``none``, llama-server's own
+  speculative decoding by n-gram lookup in the context (``ngram``:
+  ``--spec-type ngram-mod``) or with a draft model (``draft``:
+  ``--spec-type draft-simple -md DRAFT_GGUF``), each a server of its own.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ SHARED_FIELDS = frozenset({"temperature", "top_p", "seed", "stop", "model", "ign
 PENALTIES = frozenset({"frequency_penalty", "presence_penalty", "repetition_penalty"})
 CONTEXT_QUANTUM = 256
 SLOT_MARGIN_TOKENS = 64
+#: llama-server's speculation per --peer-speculation name, and each server's name in the report.
+SPECULATIONS = {"none": (), "ngram": ("--spec-type", "ngram-mod"), "draft": ("--spec-type", "draft-simple")}
+SERVER_NAMES = {"none": "llama.cpp", "ngram": "llama.cpp-ngram", "draft": "llama.cpp-draft"}
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,18 @@ class PeerConfig:
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 60.0
     api_key: str | None = field(default=None, repr=False)  # always None: the peer listens on 127.0.0.1 without a key
+    speculation: str = "none"  # a key of SPECULATIONS
+    draft_gguf: Path | None = None  # the draft model of speculation "draft"
 
     def __post_init__(self) -> None:
         if not self.gguf.is_file():
             raise RapidspecError(f"the peer's GGUF file {self.gguf} does not exist")
+        if self.speculation not in SPECULATIONS:
+            raise RapidspecError(f"unknown llama-server speculation {self.speculation!r}: one of {', '.join(SPECULATIONS)}")
+        if (self.speculation == "draft") != (self.draft_gguf is not None):
+            raise RapidspecError("llama-server's draft speculation needs --peer-draft-gguf FILE, and only it takes one")
+        if self.draft_gguf is not None and not self.draft_gguf.is_file():
+            raise RapidspecError(f"the peer's draft GGUF file {self.draft_gguf} does not exist")
         if self.threads < 1 or self.parallel < 1 or self.slot_context < 1:
             raise RapidspecError("the peer needs threads, slots and a context of at least 1")
         if any(arg.split("=")[0] in ("--host", "--port", "-m", "--model") for arg in self.extra_args):
@@ -65,11 +80,25 @@ class PeerConfig:
     def context(self) -> int:
         return self.parallel * self.slot_context
 
+    @property
+    def name(self) -> str:
+        return SERVER_NAMES[self.speculation]
+
     def args(self) -> list[str]:
+        draft = ["-md", str(self.draft_gguf)] if self.draft_gguf is not None else []
         return ["-m", str(self.gguf), "-t", str(self.threads), "-tb", str(self.threads),
                 "--parallel", str(self.parallel), "--kv-unified", "-c", str(self.context),
                 "--cache-reuse", "256", "-b", "2048", "-ub", "512", "-fa", "off",
-                "--no-webui", "--jinja", *self.extra_args]
+                "--no-webui", "--jinja", *SPECULATIONS[self.speculation], *draft, *self.extra_args]
+
+
+def parse_speculations(text: str) -> tuple[str, ...]:
+    """``--peer-speculation`` for llama.cpp: a comma-separated subset of :data:`SPECULATIONS`, in the order given."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names or any(n not in SPECULATIONS for n in names) or len(set(names)) != len(names):
+        raise RapidspecError(f"--peer-speculation with --peer llama.cpp takes distinct names among "
+                             f"{', '.join(SPECULATIONS)}, got {text!r}")
+    return names
 
 
 class PeerServer(LocalServer):
