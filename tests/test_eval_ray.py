@@ -14,6 +14,8 @@ from rapidspec.cli import main
 from rapidspec.evaluation.runner import key_of
 
 SMALL_RETRIEVAL = ["--retrieval", "bm25", "--chunk-tokens", "64", "--budget-tokens", "128"]
+# one pytest-xdist worker runs the Ray tests (test_replicas.py too): never two clusters at once
+pytestmark = pytest.mark.xdist_group("ray")
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,9 @@ from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig
 from tests.server_harness import HTTP, free_port, wait_until
 
+# one pytest-xdist worker runs the Ray tests: the module's cluster starts once, never two clusters at once
+pytestmark = pytest.mark.xdist_group("ray")
+
 NOTES = [f"Day {i}: the garden had {i} tulips and the kettle was blue." for i in range(30)]
 
 
@@ -152,6 +155,7 @@ def _overflows(url: str) -> float:
 @pytest.mark.parametrize("header", [True, False], ids=["x-session-id", "plain-openai"])
 def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, header):
     answers: dict[tuple[int, int], dict] = {}
+    finished_before = sum(_served(replicas).values())
 
     def chat(conversation: int) -> None:
         for turns in (1, 2):
@@ -169,17 +173,18 @@ def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, heade
     health = HTTP.get(f"{replicas}/health", timeout=10).json()
     assert health["status"] == "ok" and len(health["replicas"]) == 2
     assert "static/app.js" in HTTP.get(f"{replicas}/", timeout=10).text  # the page, through Serve's proxy
+    # replicas report once a second
+    assert wait_until(lambda: sum(_served(replicas).values()) == finished_before + 8, timeout=15)
 
-    def served() -> dict[str, float]:  # replica -> finished requests, from the merged /metrics
-        out: dict[str, float] = {}
-        for line in HTTP.get(f"{replicas}/metrics", timeout=10).text.splitlines():
-            if line.startswith("rapidspec:request_success_total{"):
-                replica = line.split('replica="')[1].split('"')[0]
-                out[replica] = out.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
-        return out
 
-    finished = 8 if header else 16  # the plain run follows the one with headers
-    assert wait_until(lambda: sum(served().values()) == finished, timeout=15)  # replicas report once a second
+def _served(url: str) -> dict[str, float]:
+    """Replica -> finished requests, from the merged /metrics."""
+    out: dict[str, float] = {}
+    for line in HTTP.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("rapidspec:request_success_total{"):
+            replica = line.split('replica="')[1].split('"')[0]
+            out[replica] = out.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def test_a_busy_replica_holds_its_conversation_until_its_line_reaches_the_bound(replicas):

@@ -259,16 +259,20 @@ def test_a_client_that_disconnects_frees_the_engine(engine):
 def test_metrics_move(client, server):
     before = metric(server, "rapidspec:request_success_total", finished_reason="length")
     generated = metric(server, "rapidspec:generation_tokens_total")
-    client.chat.completions.create(model="tiny", messages=HISTORY, max_tokens=6,
-                                   extra_body={"ignore_eos": True, "mode": "rapid", "drafter_start": "first"})
-    assert metric(server, "rapidspec:request_success_total", finished_reason="length") == before + 1
-    assert metric(server, "rapidspec:generation_tokens_total") == generated + 6
+    hits, refused = metric(server, "rapidspec:prefix_cache_hits_total"), metric(
+        server, "rapidspec:request_failure_total", reason="bad_request")
+    for _ in range(2):  # the second finds the first's prompt in the prefix cache
+        client.chat.completions.create(model="tiny", messages=HISTORY, max_tokens=6,
+                                       extra_body={"ignore_eos": True, "mode": "rapid", "drafter_start": "first"})
+    assert HTTP.post(f"{server}/v1/chat/completions", content=b"hello", timeout=30).status_code == 400
+    assert metric(server, "rapidspec:request_success_total", finished_reason="length") == before + 2
+    assert metric(server, "rapidspec:generation_tokens_total") == generated + 12
     assert metric(server, "rapidspec:spec_decode_num_draft_tokens_total") > 0
     assert 0 <= metric(server, "rapidspec:spec_decode_draft_acceptance_rate") <= 1
     assert metric(server, "rapidspec:time_to_first_token_seconds_count") > 0
     assert metric(server, "rapidspec:e2e_request_latency_seconds_count") > 0
-    assert metric(server, "rapidspec:prefix_cache_hits_total") > 0
-    assert metric(server, "rapidspec:request_failure_total", reason="bad_request") > 0
+    assert metric(server, "rapidspec:prefix_cache_hits_total") > hits
+    assert metric(server, "rapidspec:request_failure_total", reason="bad_request") == refused + 1
 
 
 def test_a_body_that_is_not_a_json_object_is_a_400(server):
