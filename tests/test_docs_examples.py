@@ -97,6 +97,10 @@ def prose(page: Path) -> str:
 ALL = [b for page in PAGES for b in blocks(page)]
 SHELL_AND_PYTHON = [b for b in ALL if b.lang]
 PAGES_WITH_RUNNABLE = sorted({b.page for b in ALL if b.marker}, key=PAGES.index)
+# pages whose examples start a server on a fixed port run on one pytest-xdist worker, one after the other
+PAGES_WITH_SERVERS = {b.page for b in ALL if b.marker == "server"}
+RUNNABLE_PARAMS = [pytest.param(page, marks=[pytest.mark.xdist_group("docs-servers")] if page in PAGES_WITH_SERVERS
+                                else []) for page in PAGES_WITH_RUNNABLE]
 
 
 def test_markers_sit_on_shell_or_python_blocks():
@@ -276,7 +280,7 @@ def _run(block: Block, work: Path, env: dict[str, str]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", PAGES_WITH_RUNNABLE, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", RUNNABLE_PARAMS, ids=lambda p: p.name)
 def test_runnable_examples_run_as_written(page, tmp_path):
     work, env, servers = _scratch(tmp_path), _environment(), []
     try:
