@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.server_harness import HTTP
+from tests.server_harness import HTTP, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -47,6 +47,7 @@ VENV_BIN = ROOT / ".venv" / "bin" if (ROOT / ".venv" / "bin" / "rapidspec").exis
 LANGS = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python"}
 BLOCK_TIMEOUT_S = 300
 SERVER_START_S = 240
+PORT_WAIT_S = 300
 FENCE = re.compile(r"^(\s*)```(\w*)[^`]*$")
 MARKER = re.compile(r"^\s*<!--\s*runnable(?::\s*(\w+))?\s*-->\s*$")
 
@@ -233,8 +234,9 @@ def _port_taken(port: int) -> bool:
 
 def _start_server(block: Block, work: Path, env: dict[str, str]) -> subprocess.Popen:
     port = _port_of(block.code)
-    if _port_taken(port):
-        pytest.skip(f"{block.where} serves on port {port}, which something else holds here")
+    # another worker's test may hold the port for a while (pytest-xdist): wait for it, bounded
+    if not wait_until(lambda: not _port_taken(port), timeout=PORT_WAIT_S, every=1.0):
+        pytest.skip(f"{block.where} serves on port {port}, which something else held for {PORT_WAIT_S} s")
     log = open(work / f"server_{block.line}.log", "w")
     proc = subprocess.Popen(["bash", "-c", block.code], cwd=work, env=env, stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
