@@ -16,7 +16,7 @@ from rapidspec.server import ServerConfig, create_app
 from rapidspec.server.http import uvicorn_config
 
 START_TIMEOUT_S = 30
-#: The tests' HTTP client: ``HTTP.post(...)`` as ``HTTP.post(...)`` (a new connection each request, httpx's default
+#: The tests' HTTP client: ``HTTP.post(...)`` as ``httpx.post(...)`` (a new connection each request, httpx's default
 #: timeout of 5 s) without building a client, and its TLS context (about 40 ms), for every request.
 HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 

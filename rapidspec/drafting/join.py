@@ -186,12 +186,9 @@ class DrafterJoin:
             return None
 
     def _between_rounds(self, target_cache, target_seq: list[int], answer: list[int], remaining: int):
+        target, drafter = self._step_costs(target_cache, target_seq)  # the schedule plans with them once it joins
         if self.beside is not None:  # joins at the first boundary, whatever it cost (spare cores)
-            drafter = self._started()
-            if drafter is not None:
-                self._step_costs(target_cache, target_seq)  # the schedule plans with them
-            return self._join(drafter, answer)
-        target, drafter = self._step_costs(target_cache, target_seq)
+            return self._join(self._started(), answer)
         if drafter is None:  # lookup: no model, no prefill: drafts from the next round
             self._resolve()
             return self._join(self._started(), answer)
