@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 
 import pytest
 import torch
@@ -126,6 +127,7 @@ def drafter_from_the_first_round(monkeypatch):
 FIXTURE_MARKERS = {"real_model": ("slow",), "vllm_offline": ("slow", "vllm")}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
@@ -134,6 +136,34 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(name)
         if "vllm_offline" in fixtures:  # `pytest -n N --dist loadgroup`: one worker starts the run's vLLM process
             item.add_marker(pytest.mark.xdist_group("vllm-offline"))
+        elif item.get_closest_marker("xdist_group") is None and _uses_module_fixtures(item):
+            # one worker runs the module: its fixtures (a server, an engine, a browser) are built once, and its
+            # tests run in the order they are written
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _uses_module_fixtures(item) -> bool:
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(defs and defs[-1].scope in ("module", "class") for defs in definitions.values())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_kv_cache_folder(tmp_path_factory):
+    """Key/value blocks written before a test's own folder is set (by a module's fixtures) go to a folder of this
+    session, not the user's cache (subprocesses too)."""
+    path = tmp_path_factory.mktemp("kv-session")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAPIDSPEC_KV_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(autouse=True)
+def kv_cache_folder(tmp_path_factory, monkeypatch):
+    """Key/value blocks written by a test go to a folder of its own (subprocesses too): a prefill never reads
+    what another test wrote. An engine shared by a module keeps the folder of the test that first used it."""
+    path = tmp_path_factory.getbasetemp() / "kv" / uuid.uuid4().hex[:12]
+    monkeypatch.setenv("RAPIDSPEC_KV_CACHE", str(path))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -198,8 +198,8 @@ def test_dropped_turns_go_in_steps_with_few_renders(byte_tokenizer, monkeypatch)
     assert common_prefix(ids, again) >= len(ids) - 40
 
 
-def engine(model, drafter=None) -> Rapid:
-    return Rapid(model, drafter, retrieval=RETRIEVAL)
+def engine(model, drafter=None, **options) -> Rapid:
+    return Rapid(model, drafter, retrieval=RETRIEVAL, **options)
 
 
 @pytest.mark.usefixtures("drafter_from_the_first_round")  # the drafter in every round, so it drafts here
@@ -224,7 +224,7 @@ def test_next_turn_reuses_the_history_and_matches_a_fresh_engine(tiny_model):
     second = rapid.chat(messages, mode="rapid", max_new_tokens=12)
     assert second.stats.target_prefill_reused_tokens >= first.stats.prompt_tokens_target
     assert second.stats.prompt_tokens_target - second.stats.target_prefill_reused_tokens < 60
-    fresh = engine(tiny_model).chat(messages, mode="rapid", max_new_tokens=12)
+    fresh = engine(tiny_model, kv_cache_gib=0).chat(messages, mode="rapid", max_new_tokens=12)  # nothing from disk
     assert fresh.stats.target_prefill_reused_tokens == 0
     assert fresh.token_ids == second.token_ids
 

@@ -163,6 +163,9 @@ def test_a_long_answer_keeps_the_page_painting(browser, server):
     """A chat without documents asking for a long answer (up to 512 tokens): the longest gap between painted rounds
     is printed against the longest gap between the stream's chunks (measured here, not a timed assertion)."""
     browser.get(f"{server}/")
+    # the key stored here too: under pytest-xdist this test may run in another worker's browser than the ones above
+    browser.execute_script(f"localStorage.setItem('rapidspec-api-key', {json.dumps(KEY)})")
+    browser.get(f"{server}/")
     wait_for(browser, "return document.getElementById('model').options.length > 0", 30)
     browser.execute_script("document.getElementById('document').value = ''")
     browser.find_element("id", "max-tokens").clear()

@@ -62,6 +62,9 @@ def register(subparsers) -> None:
     for flag, dest in SERVER_OPTIONS:
         local.add_argument(flag, dest=dest, default=None, help=f"rapidspec serve {flag} (default: serve's)")
     local.add_argument("--max-queue", type=int, default=None, help="rapidspec serve --max-queue (default: --num-prompts, so none is refused)")
+    local.add_argument("--kv-cache-gib", type=float, default=None,
+                       help="rapidspec serve --kv-cache-gib (default here: 0, so every run reads its documents as a "
+                            "freshly started peer does; give it to measure answers from the blocks on disk)")
     local.add_argument("--serve-args", default="", help="more options for rapidspec serve, one string, e.g. '--gamma 6 --eta 2'")
     local.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for it to be ready (default: %(default)s)")
     load = parser.add_argument_group("load")
@@ -240,7 +243,8 @@ def _launch_config(args: argparse.Namespace):
     """The server to start here (None with --base-url, where the server options make no sense)."""
     from rapidspec.bench.serve.process import LaunchConfig
 
-    given = [flag for flag, dest in (*SERVER_OPTIONS, ("--max-queue", "max_queue")) if getattr(args, dest) is not None]
+    given = [flag for flag, dest in (*SERVER_OPTIONS, ("--max-queue", "max_queue"), ("--kv-cache-gib", "kv_cache_gib"))
+             if getattr(args, dest) is not None]
     if args.base_url is not None:
         if given or args.serve_args:
             raise RapidspecError(f"{', '.join(given) or '--serve-args'} apply to the server started here; "
@@ -249,6 +253,7 @@ def _launch_config(args: argparse.Namespace):
     serve_args = [part for flag, dest in SERVER_OPTIONS if (value := getattr(args, dest)) is not None
                   for part in (flag, str(value))]
     serve_args += ["--max-queue", str(args.max_queue if args.max_queue is not None else args.num_prompts)]
+    serve_args += ["--kv-cache-gib", str(args.kv_cache_gib if args.kv_cache_gib is not None else 0)]
     try:
         serve_args += shlex.split(args.serve_args)
     except ValueError as err:

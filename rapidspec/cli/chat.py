@@ -22,6 +22,7 @@ from rapidspec.cli.options import (
     CHAT_FREQUENCY_PENALTY,
     add_decode_options,
     add_model_options,
+    add_kv_cache_options,
     add_prefix_cache_option,
     add_retrieval_options,
     decode_config,
@@ -48,6 +49,7 @@ def register(subparsers) -> None:
     parser.add_argument("--recent-messages", type=int, default=DEFAULT_RECENT_MESSAGES,
                         help="earlier messages the drafter always reads verbatim (default: %(default)s)")
     add_prefix_cache_option(parser)
+    add_kv_cache_options(parser)
     add_model_options(parser)
     add_decode_options(parser)
     add_retrieval_options(parser)

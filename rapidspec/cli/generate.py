@@ -8,7 +8,8 @@ import sys
 
 from rich.console import Console
 
-from rapidspec.cli.options import add_decode_options, add_model_options, add_retrieval_options, decode_config, load_engine
+from rapidspec.cli.options import (add_decode_options, add_kv_cache_options, add_model_options, add_retrieval_options,
+                                   decode_config, load_engine)
 from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.cli.render import stats_table
 from rapidspec.errors import RapidspecError
@@ -28,6 +29,7 @@ def register(subparsers) -> None:
                         help="retrieve the drafter's chunks from this file instead of the document (an unrelated "
                              "text, for robustness studies; the target still reads the document)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (answer, stats, retrieval) instead")
+    add_kv_cache_options(parser)
     add_model_options(parser)
     add_decode_options(parser)
     add_retrieval_options(parser)

@@ -17,6 +17,7 @@ from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.retrieval import METHODS, RetrievalConfig
 from rapidspec.retrieval.config import EMBEDDING_DTYPES
 from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
+from rapidspec.runtime.cache_dir import DEFAULT_KV_CACHE_GIB
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
 from rapidspec.runtime.quantization import QUANTIZATIONS, TARGET_QUANTIZATIONS
 
@@ -179,11 +180,22 @@ def add_prefix_cache_option(parser: argparse.ArgumentParser) -> None:
                              "least recently used evicted, 0 = off (default: %(default)s)")
 
 
+def add_kv_cache_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB,
+                        help="disk space for the target's keys and values of long prompts, read by later processes "
+                             "(a document is read once); least recently used removed, all models together, "
+                             "0 = off (default: %(default)s)")
+    parser.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                        help="where they are kept (default: $RAPIDSPEC_KV_CACHE, else $RAPIDSPEC_CACHE/kv)")
+
+
 def engine_spec(args: argparse.Namespace, reuse_document_cache: bool = True):
-    """The :class:`~rapidspec.engine.spec.EngineSpec` the model, drafter and retrieval options name, one to one."""
+    """The :class:`~rapidspec.engine.spec.EngineSpec` the model, drafter, retrieval and key/value cache options
+    name, one to one (a command without ``--kv-cache-gib``, such as ``bench``, keeps nothing on disk)."""
     from rapidspec.engine.spec import EngineSpec
 
-    return EngineSpec(model_spec(args), retrieval_config(args), reuse_document_cache=reuse_document_cache)
+    return EngineSpec(model_spec(args), retrieval_config(args), reuse_document_cache=reuse_document_cache,
+                      kv_cache_gib=getattr(args, "kv_cache_gib", 0.0), kv_cache_dir=getattr(args, "kv_cache_dir", None))
 
 
 def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):

@@ -8,13 +8,21 @@ from rich.table import Table
 
 from rapidspec.stats import GenerationStats
 
+def _target_prefill(s) -> str:
+    """Seconds, and the prompt tokens not prefilled (from the prefix cache or, of those, read from disk)."""
+    if not s.target_prefill_reused_tokens:
+        return f"{s.target_prefill_seconds:.2f}"
+    disk = f", {s.target_prefill_disk_tokens} from disk" if s.target_prefill_disk_tokens else ""
+    return f"{s.target_prefill_seconds:.2f} (reused {s.target_prefill_reused_tokens} tok{disk})"
+
+
 # (label, how to read the value from a GenerationStats)
 ROWS: tuple[tuple[str, object], ...] = (
     ("eta (why)", lambda s: f"{s.eta:g} ({s.eta_source})" if s.eta_source else f"{s.eta:g}"),
     ("prompt tokens (target / drafter)", lambda s: f"{s.prompt_tokens_target} / {s.prompt_tokens_drafter or '-'}"),
     ("retrieved tokens (chunks)", lambda s: f"{s.retrieved_tokens} ({s.retrieved_chunks})" if s.retrieved_chunks else "-"),
     ("retrieval s", lambda s: f"{s.retrieval_seconds:.2f}"),
-    ("target prefill s", lambda s: f"{s.target_prefill_seconds:.2f}" + (f" (reused {s.target_prefill_reused_tokens} tok)" if s.target_prefill_reused_tokens else "")),
+    ("target prefill s", lambda s: _target_prefill(s)),
     ("drafter prefill s", lambda s: f"{s.drafter_prefill_seconds:.2f}"),
     ("decode s", lambda s: f"{s.decode_seconds:.2f}"),
     ("time to first token s", lambda s: f"{s.time_to_first_token:.2f}"),

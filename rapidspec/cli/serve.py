@@ -10,6 +10,7 @@ import signal
 from rapidspec.cli.options import (
     add_decode_options,
     add_model_options,
+    add_kv_cache_options,
     add_prefix_cache_option,
     add_retrieval_options,
     decode_config,
@@ -78,6 +79,7 @@ def register(subparsers) -> None:
                        help='with --replicas: Ray resources of each replica, e.g. \'{"num_gpus": 1}\' '
                             '(default: {"num_cpus": 1})')
     add_prefix_cache_option(parser)
+    add_kv_cache_options(parser)
     add_model_options(parser)
     add_decode_options(parser)
     add_retrieval_options(parser)

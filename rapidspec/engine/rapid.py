@@ -51,6 +51,8 @@ from rapidspec.penalties import Penalties
 from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts, with_streaming_drafter
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
+from rapidspec.runtime.cache_dir import DEFAULT_KV_CACHE_GIB
+from rapidspec.runtime.kv_store import DiskKVStore, for_model
 from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB, GIB, PrefixCache
 from rapidspec.stats import GenerationStats
 
@@ -80,7 +82,8 @@ class Rapid:
     def __init__(self, target, drafter=None, retrieval=None, template: PromptTemplate | None = None,
                  prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS, reuse_document_cache: bool = True,
                  prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB, drafter_backend: str = "auto",
-                 drafter_threads: int | None = None, drafter_prefill: str = "auto", drafter_gguf: str = "auto") -> None:
+                 drafter_threads: int | None = None, drafter_prefill: str = "auto", drafter_gguf: str = "auto",
+                 kv_cache_gib: float = DEFAULT_KV_CACHE_GIB, kv_cache_dir: str | None = None) -> None:
         from rapidspec.retrieval import RetrievalConfig, Retriever
 
         self.target = target
@@ -91,6 +94,10 @@ class Rapid:
         if prefix_cache_gib < 0:
             raise RapidspecError(f"prefix_cache_gib must be >= 0, got {prefix_cache_gib}")
         self.prefix_cache = PrefixCache(int(prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
+        if kv_cache_gib < 0:
+            raise RapidspecError(f"kv_cache_gib must be >= 0, got {kv_cache_gib}")
+        self._kv_cache = (int(kv_cache_gib * GIB), kv_cache_dir)
+        self._disk: DiskKVStore | None = None
         self.eos_token_ids = eos_token_ids(target)
         self.drafting = DrafterFactory(target, drafter, drafter_backend, drafter_threads, prefill_chunk_tokens,
                                        keep=reuse_document_cache, prefill=drafter_prefill, gguf=drafter_gguf)
@@ -111,7 +118,8 @@ class Rapid:
         return cls(target, drafter, retrieval=spec.retrieval, prefill_chunk_tokens=spec.prefill_chunk_tokens,
                    reuse_document_cache=spec.reuse_document_cache, prefix_cache_gib=models.prefix_cache_gib,
                    drafter_backend=models.drafter_backend, drafter_threads=models.drafter_threads,
-                   drafter_prefill=models.drafter_prefill, drafter_gguf=models.drafter_gguf)
+                   drafter_prefill=models.drafter_prefill, drafter_gguf=models.drafter_gguf,
+                   kv_cache_gib=spec.kv_cache_gib, kv_cache_dir=spec.kv_cache_dir)
 
     def resolve(self, config: DecodeConfig) -> tuple[DecodeConfig, str | None]:
         """``config`` with the eta default of this engine's drafter and a concrete gamma schedule, and where its
@@ -296,9 +304,20 @@ class Rapid:
                 if run.drafter is not None:
                     run.drafter.close(keep=consistent)
                 if use_store and consistent:
+                    if self.disk_store is not None:  # written in the store's thread; nothing changes the cache
+                        self.disk_store.write(target_cache)
                     self.prefix_cache.store(target_cache)  # the cache is the store's from now on
                 if consistent and self.drafting.drafter_kind(config) == "model":
                     self.acceptance.record(stats.drafted_per_position, stats.accepted_per_position)
+
+    @property
+    def disk_store(self) -> DiskKVStore | None:
+        """The target's key/value blocks on disk (:mod:`rapidspec.runtime.kv_store`), made on first use; None
+        with ``kv_cache_gib=0``."""
+        max_bytes, folder = self._kv_cache
+        if self._disk is None and max_bytes:
+            self._disk = for_model(self.target, max_bytes, folder)
+        return self._disk
 
     def clear_document_cache(self) -> None:
         """Forget every stored target cache and the drafters' kept caches (the next prefills start from scratch)."""
@@ -327,6 +346,9 @@ class Rapid:
         if cache is None:
             cache = new_kv_cache(self.target, self.prefill_chunk_tokens)
         cache.reserve(room)
+        if use_store and self.disk_store is not None:
+            stats.target_prefill_disk_tokens = self.disk_store.extend(cache, wanted)
+            stats.target_prefill_reused_tokens = cache.length
         for _ in cache.prefill_chunks(wanted[cache.length :], should_stop, progress):
             if tick is not None:
                 yield tick

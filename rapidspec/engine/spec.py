@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from rapidspec.errors import RapidspecError
 from rapidspec.models.spec import ModelSpec
 from rapidspec.retrieval.config import RetrievalConfig
+from rapidspec.runtime.cache_dir import DEFAULT_KV_CACHE_GIB
 
 #: Target prompt tokens per prefill forward.
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
@@ -25,12 +26,15 @@ class EngineSpec:
     """The models and every drafter option (``models``, a :class:`~rapidspec.models.spec.ModelSpec`:
     target, drafter, dtype, device, quantization, runtime, drafter backend, threads, prefill, GGUF choice,
     prefix-cache size), retrieval, whether the engine keeps caches for later prompts sharing a prefix
-    (``reuse_document_cache``) and the target's prefill chunk."""
+    (``reuse_document_cache``), the target's prefill chunk, and its key/value blocks on disk
+    (``kv_cache_gib``, 0 = none; ``kv_cache_dir``, None = ``$RAPIDSPEC_KV_CACHE`` or ``<cache>/kv``)."""
 
     models: ModelSpec = field(default_factory=ModelSpec)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     reuse_document_cache: bool = True
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    kv_cache_gib: float = DEFAULT_KV_CACHE_GIB
+    kv_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.models, ModelSpec):
@@ -40,3 +44,8 @@ class EngineSpec:
         if isinstance(self.prefill_chunk_tokens, bool) or not isinstance(self.prefill_chunk_tokens, int) \
                 or self.prefill_chunk_tokens < 1:
             raise RapidspecError(f"prefill_chunk_tokens must be an integer >= 1, got {self.prefill_chunk_tokens!r}")
+        if isinstance(self.kv_cache_gib, bool) or not isinstance(self.kv_cache_gib, (int, float)) \
+                or not self.kv_cache_gib >= 0:
+            raise RapidspecError(f"kv_cache_gib must be a number >= 0, got {self.kv_cache_gib!r}")
+        if self.kv_cache_dir is not None and (not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir.strip()):
+            raise RapidspecError(f"kv_cache_dir must be a folder's path, got {self.kv_cache_dir!r}")

@@ -250,6 +250,21 @@ class KVCache(HeldTokens):
             twin.reserve(capacity)
         return twin
 
+    def held_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values of positions [start, end) of every layer ([layers, kv_heads, end - start, head_dim]
+        each); None where a layer is not a full-attention one (sliding windows, ...)."""
+        layers = getattr(self._cache, "layers", [])
+        if not layers or any(type(layer) is not GrowableLayer or not layer.is_initialized for layer in layers):
+            return None
+        keys = torch.stack([layer.keys[0, :, start:end] for layer in layers])
+        return keys, torch.stack([layer.values[0, :, start:end] for layer in layers])
+
+    def append_kv(self, token_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append the keys and values of ``token_ids`` computed elsewhere ([layers, kv_heads, n, head_dim])."""
+        for index in range(keys.shape[0]):
+            self._cache.update(keys[index][None], values[index][None], index)
+        self._token_ids.extend(map(int, token_ids))
+
     def memory_bytes(self) -> int:
         """Bytes allocated for the key/value tensors (reserved room included)."""
         storages = {}

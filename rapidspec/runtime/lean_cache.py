@@ -100,6 +100,18 @@ class LeanKVCache(HeldTokens):
         twin._token_ids = list(self._token_ids)
         return twin
 
+    def held_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [start, end) ([layers, kv_heads, end - start, head_dim] each)."""
+        return self._keys[:, :, start:end], self._values[:, :, start:end]
+
+    def append_kv(self, token_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append the keys and values of ``token_ids`` computed elsewhere ([layers, kv_heads, n, head_dim])."""
+        start, count = self.length, len(token_ids)
+        self.reserve(start + count)
+        self._keys[:, :, start : start + count].copy_(keys)
+        self._values[:, :, start : start + count].copy_(values)
+        self._token_ids.extend(int(t) for t in token_ids)
+
     def memory_bytes(self) -> int:
         """Bytes allocated for the key/value buffers (reserved room included)."""
         return self._keys.nbytes + self._values.nbytes

@@ -71,6 +71,15 @@ class KVCacheProtocol(Protocol):
         """An independent copy holding the same tokens, with room for ``capacity`` positions (None: what it holds)."""
         ...
 
+    def held_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values of positions [start, end) ([layers, kv_heads, end - start, head_dim] each), or None
+        where the cache's layers cannot be handed out so (what :mod:`~rapidspec.runtime.kv_store` writes)."""
+        ...
+
+    def append_kv(self, token_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append the keys and values of ``token_ids`` computed elsewhere (what ``held_kv`` gave, read back)."""
+        ...
+
     def memory_bytes(self) -> int:
         """Bytes allocated for the keys and values (reserved room included)."""
         ...

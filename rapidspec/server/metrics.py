@@ -62,6 +62,10 @@ class ServerMetrics:
         self.prefix_cache_hit_requests = Counter(
             "rapidspec:prefix_cache_hit_requests", "Requests that reused a cached prefix.", **labels
         )
+        self.kv_disk_hits = Counter(
+            "rapidspec:kv_disk_cache_hits", "Prompt tokens read from the key/value blocks on disk (of the prefix "
+            "cache hits).", **labels
+        )
 
     def finished(self, stats: GenerationStats, finish_reason: str) -> None:
         model = self.model
@@ -80,6 +84,7 @@ class ServerMetrics:
             self.prefix_cache_hits.labels(model).inc(stats.target_prefill_reused_tokens)
             if stats.target_prefill_reused_tokens:
                 self.prefix_cache_hit_requests.labels(model).inc()
+            self.kv_disk_hits.labels(model).inc(stats.target_prefill_disk_tokens)
 
     def failed(self, reason: str) -> None:
         self.request_failure.labels(self.model, reason).inc()

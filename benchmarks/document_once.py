@@ -1,0 +1,111 @@
+"""Read a document once: the first process prefills it, later processes read its key/value blocks from disk.
+
+    python benchmarks/document_once.py --lengths 8192,16384,32768 --out docs/document_once.json
+
+For each length, the built-in long document of about that many tokens (Python's reference documentation with a
+planted fact) is written to a file and asked about by separate ``rapidspec generate --json`` processes sharing a
+fresh ``--kv-cache-dir``, one after the other: the first asks the planted-fact question (a full prefill, whose
+blocks it writes), the second asks the same question again (a new process: the answer must equal the first's),
+the third asks another question about the same document. Reported per process: the wait before the first token
+(``stats.time_to_first_token``: retrieval, the target's prefill or its read from disk, the first step), the
+target's prefill seconds, the prompt tokens read from disk, the process's wall time, and the folder's bytes per
+1K tokens held. Every process runs with the same options (``--mode``, greedy); the machine, its CPU flags and its
+load average at the start head the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rapidspec.runtime.kv_store import BLOCK_TOKENS, list_files
+
+OTHER_QUESTION = "Which module does the document describe first? Answer in one sentence."
+
+
+def cpu_line() -> str:
+    flags, name = "", platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx")) or "vnni" in f)
+                break
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} CPUs): {flags}"
+
+
+def ask(document: Path, question: str, folder: Path, args) -> dict:
+    command = [sys.executable, "-m", "rapidspec", "generate", "--document", str(document), "--question", question,
+               "--json", "--quiet", "--mode", args.mode, "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens),
+               "--kv-cache-dir", str(folder), "--target", args.target]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - started
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    output = json.loads(done.stdout.strip().splitlines()[-1])
+    stats = output["stats"]
+    return {"question": question, "text": output["text"], "wall_s": round(wall, 2),
+            "time_to_first_token_s": round(stats["time_to_first_token"], 3),
+            "target_prefill_s": round(stats["target_prefill_seconds"], 3),
+            "prompt_tokens": stats["prompt_tokens_target"], "disk_tokens": stats["target_prefill_disk_tokens"],
+            "reused_tokens": stats["target_prefill_reused_tokens"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="8192,16384,32768", help="document lengths in tokens, comma-separated")
+    parser.add_argument("--target", default="builtin")
+    parser.add_argument("--mode", default="rapid")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one process")
+    parser.add_argument("--out", default=None, help="write the results as JSON here (updated after each length)")
+    args = parser.parse_args()
+    from rapidspec.demo_document import demo_document
+    from rapidspec.models import load_model
+
+    tokenizer = load_model(args.target).tokenizer
+    header = {"cpu": cpu_line(), "load_average_at_start": os.getloadavg(), "target": args.target, "mode": args.mode,
+              "max_new_tokens": args.max_new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")}
+    print(json.dumps(header), flush=True)
+    rows = []
+    for length in [int(x) for x in args.lengths.split(",")]:
+        item = demo_document(tokenizer=tokenizer, target_tokens=length)
+        with tempfile.TemporaryDirectory() as scratch:
+            document, folder = Path(scratch) / "document.txt", Path(scratch) / "kv"
+            document.write_text(item.document, encoding="utf-8")
+            runs = [ask(document, item.question, folder, args), ask(document, item.question, folder, args),
+                    ask(document, OTHER_QUESTION, folder, args)]
+            held = list_files(folder)
+            tokens = len(held) * BLOCK_TOKENS
+            row = {"length": length, "runs": runs, "same_answer": runs[0]["text"] == runs[1]["text"],
+                   "disk_bytes": sum(s for _, s, _ in held), "disk_bytes_per_1k_tokens": round(
+                       sum(s for _, s, _ in held) / max(tokens, 1) * 1000)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    for row in rows:
+        first, again, other = row["runs"]
+        print(f"{row['length']:>6} tokens: first {first['time_to_first_token_s']:.2f} s to the first token "
+              f"(prefill {first['target_prefill_s']:.1f} s); a new process, same question "
+              f"{again['time_to_first_token_s']:.2f} s ({again['disk_tokens']} tokens from disk, same answer: "
+              f"{row['same_answer']}); another question {other['time_to_first_token_s']:.2f} s; "
+              f"{row['disk_bytes_per_1k_tokens'] / 2**20:.2f} MiB per 1K tokens")
+    print("median wall s per process:", statistics.median(r["wall_s"] for row in rows for r in row["runs"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

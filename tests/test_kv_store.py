@@ -1,0 +1,269 @@
+"""Key/value blocks on disk (rapidspec.runtime.kv_store): exact reads, prefixes shared, and every fault ignored.
+
+Each fault (a truncated file, a flipped byte, another model's or dtype's file, two writers at once, a folder that
+cannot be written, a full disk) leaves the store serving: nothing corrupt is loaded, the prompt is prefilled from
+where the good blocks end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from rapidspec import Rapid
+from rapidspec.engine.spec import EngineSpec
+from rapidspec.errors import RapidspecError
+from rapidspec.retrieval import RetrievalConfig
+from rapidspec.runtime import kv_store
+from rapidspec.runtime.cache import KVCache
+from rapidspec.runtime.kv_store import BLOCK_TOKENS, SUFFIX, chain_hashes, for_model, list_files
+from rapidspec.runtime.lean import LeanModel
+from rapidspec.runtime.lean_cache import LeanKVCache
+from tests.conftest import make_tiny_model
+
+TOKENS = [int(t) for t in torch.randint(0, 200, (1100,), generator=torch.Generator().manual_seed(0))]  # 4 blocks + 76
+
+
+class Subject(NamedTuple):
+    loaded: object
+    empty: Callable
+
+
+@pytest.fixture(params=["transformers", "lean"])
+def model(request, tiny_model):
+    """The tiny model on either runtime (``model.loaded``) and a factory of its empty caches (``model.empty()``)."""
+    if request.param == "lean":
+        loaded = dataclasses.replace(tiny_model, lean=LeanModel(tiny_model.model))
+        return Subject(loaded, lambda: LeanKVCache(loaded.lean, 64))
+    return Subject(tiny_model, lambda: KVCache(tiny_model.model, 64))
+
+
+def filled(model, tokens):
+    cache = model.empty()
+    with torch.inference_mode():
+        cache.prefill(tokens)
+    return cache
+
+
+def block_files(store) -> list:
+    return sorted(store.folder.glob(f"*{SUFFIX}"))
+
+
+def test_blocks_read_back_give_the_logits_of_a_fresh_prefill(model, tmp_path):
+    store = for_model(model.loaded, 1 << 30, tmp_path)
+    assert store.write(filled(model, TOKENS)).result() == 4 and len(block_files(store)) == 4
+    wanted = TOKENS + [7, 8]
+    reader = for_model(model.loaded, 1 << 30, tmp_path)  # another process: the same key from the same weights
+    assert reader.key == store.key
+    cache = model.empty()
+    with torch.inference_mode():
+        assert reader.extend(cache, wanted) == 4 * BLOCK_TOKENS and cache.token_ids == TOKENS[: 4 * BLOCK_TOKENS]
+        read = cache.forward(wanted[cache.length :], num_logits=1)
+        fresh = filled(model, wanted[:-1]).forward(wanted[-1:], num_logits=1)
+    torch.testing.assert_close(read, fresh, atol=1e-5, rtol=1e-5)
+
+
+def test_a_longer_prompt_reuses_the_blocks_it_shares_and_writes_only_its_own(tiny_model, tmp_path):
+    store = for_model(tiny_model, 1 << 30, tmp_path)
+    first = KVCache(tiny_model.model, 64)
+    with torch.inference_mode():
+        first.prefill(TOKENS)
+        store.write(first).result()
+        other = TOKENS[:600] + [5] * 700  # shares two whole blocks
+        second = KVCache(tiny_model.model, 64)
+        second.prefill(other)
+        assert store.write(second).result() == 3  # blocks 3-5 are new: 0-1 are the first's
+        cache = KVCache(tiny_model.model, 64)
+        assert store.extend(cache, other + [1]) == 5 * BLOCK_TOKENS
+        fresh = KVCache(tiny_model.model, 64)
+        fresh.prefill(TOKENS[:700] + [9] * 500)  # diverges inside block 2: blocks 0-1 only
+        cache = KVCache(tiny_model.model, 64)
+        assert store.extend(cache, fresh.token_ids) == 2 * BLOCK_TOKENS
+
+
+def test_a_cache_from_memory_is_continued_from_its_last_whole_block(model, tmp_path):
+    store = for_model(model.loaded, 1 << 30, tmp_path)
+    store.write(filled(model, TOKENS)).result()
+    cache = filled(model, TOKENS[:300])  # what a prefix cache in memory held: one block and 44 tokens
+    with torch.inference_mode():
+        assert store.extend(cache, TOKENS) == 3 * BLOCK_TOKENS and cache.length == 4 * BLOCK_TOKENS
+        read = cache.forward(TOKENS[cache.length :], num_logits=1)
+        fresh = filled(model, TOKENS[:-1]).forward(TOKENS[-1:], 1)
+    torch.testing.assert_close(read, fresh, atol=1e-5, rtol=1e-5)
+
+
+def test_short_prompts_are_neither_written_nor_read(tiny_model, tmp_path):
+    store = for_model(tiny_model, 1 << 30, tmp_path)
+    short = KVCache(tiny_model.model, 64)
+    with torch.inference_mode():
+        short.prefill(TOKENS[:kv_store.MIN_TOKENS - 1])
+    assert store.write(short) is None and not list_files(tmp_path)
+
+
+def damage(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "flipped byte":
+        data[-100] ^= 0x01  # inside the values
+        path.write_bytes(bytes(data))
+    elif how == "empty":
+        path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped byte", "empty"])
+def test_a_damaged_block_is_logged_once_removed_and_never_loaded(model, tmp_path, how, caplog):
+    store = for_model(model.loaded, 1 << 30, tmp_path)
+    store.write(filled(model, TOKENS)).result()
+    names = chain_hashes(store.key, TOKENS, 4)
+    damage(store.folder / f"{names[2]}{SUFFIX}", how)
+    damage(store.folder / f"{names[3]}{SUFFIX}", how)
+    cache = model.empty()
+    kv_store._warned.clear()
+    with caplog.at_level(logging.DEBUG, logger="rapidspec.runtime.kv_store"), torch.inference_mode():
+        assert store.extend(cache, TOKENS) == 2 * BLOCK_TOKENS  # the good blocks before it
+        assert not (store.folder / f"{names[2]}{SUFFIX}").exists()  # removed
+        cache.crop(0)
+        assert store.extend(cache, TOKENS[:900] + [1] * 200) == 2 * BLOCK_TOKENS
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "is not loaded" in warnings[0].getMessage(), caplog.text
+    with torch.inference_mode():
+        assert store.write(filled(model, TOKENS)).result() == 1  # block 2 written again; 3 is still there, bad
+        cache.crop(0)
+        assert store.extend(cache, TOKENS) == 3 * BLOCK_TOKENS  # block 3 read, found bad, removed
+        assert store.write(filled(model, TOKENS)).result() == 1
+        cache.crop(0)
+        assert store.extend(cache, TOKENS) == 4 * BLOCK_TOKENS
+
+
+@pytest.mark.parametrize("other", ["weights", "dtype"])
+def test_a_file_of_another_model_or_dtype_is_never_loaded(tiny_model, tmp_path, other):
+    theirs = make_tiny_model(seed=5) if other == "weights" else dataclasses.replace(
+        tiny_model, model=make_tiny_model().model.to(torch.float64), dtype=torch.float64)
+    ours_store, their_store = for_model(tiny_model, 1 << 30, tmp_path), for_model(theirs, 1 << 30, tmp_path)
+    assert ours_store.key != their_store.key
+    with torch.inference_mode():
+        written = KVCache(theirs.model, 64)
+        written.prefill(TOKENS)
+        their_store.write(written).result()
+    # their files, put where ours would be: the names our store looks for
+    ours_store.folder.mkdir(parents=True)
+    mine = chain_hashes(ours_store.key, TOKENS, 4)
+    for name, theirs_name in zip(mine, chain_hashes(their_store.key, TOKENS, 4)):
+        (ours_store.folder / f"{name}{SUFFIX}").write_bytes((their_store.folder / f"{theirs_name}{SUFFIX}").read_bytes())
+    cache = KVCache(tiny_model.model, 64)
+    assert ours_store.extend(cache, TOKENS) == 0 and cache.length == 0
+    assert not (ours_store.folder / f"{mine[0]}{SUFFIX}").exists()  # the first was read, refused and removed
+    with torch.inference_mode():
+        cache.prefill(TOKENS[:300])  # a cache from memory holding block 0: block 1 is the next one read
+        assert ours_store.extend(cache, TOKENS) == 0 and cache.length == 300
+    assert not (ours_store.folder / f"{mine[1]}{SUFFIX}").exists()
+
+
+def test_two_writers_at_once_leave_one_good_file_per_block(tiny_model, tmp_path):
+    stores = [for_model(tiny_model, 1 << 30, tmp_path) for _ in range(4)]
+    caches = []
+    with torch.inference_mode():
+        for _ in stores:
+            cache = KVCache(tiny_model.model, 64)
+            cache.prefill(TOKENS)
+            caches.append(cache)
+    start = threading.Barrier(len(stores))
+
+    def write(store, cache):
+        start.wait(timeout=30)
+        store._write(cache)
+
+    threads = [threading.Thread(target=write, args=pair) for pair in zip(stores, caches)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    files = sorted(p.name for p in stores[0].folder.iterdir())
+    assert files == sorted([f"{n}{SUFFIX}" for n in chain_hashes(stores[0].key, TOKENS, 4)] + ["model.json"])
+    assert stores[0].extend(KVCache(tiny_model.model, 64), TOKENS) == 4 * BLOCK_TOKENS  # all four read back whole
+
+
+@pytest.mark.parametrize("fault", ["not a folder", "full disk"])
+def test_a_folder_that_cannot_take_blocks_keeps_serving_from_memory(tiny_model, tmp_path, monkeypatch, caplog, fault):
+    if fault == "not a folder":
+        (tmp_path / "kv").write_text("a file where the folder should be")
+        root = tmp_path / "kv"
+    else:
+        root = tmp_path / "roomy"
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(kv_store, "save_file", full)
+    store = for_model(tiny_model, 1 << 30, root)
+    engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(root))
+    engine._disk = store
+    document = "The lighthouse keeper counted the boats of the bay. " * 40
+    with caplog.at_level(logging.WARNING):
+        first = engine.generate(document, "How many boats?", mode="lc", max_new_tokens=8)
+        store.flush()
+        second = engine.generate(document, "How many boats?", mode="lc", max_new_tokens=8)
+        store.flush()
+    assert first.token_ids == second.token_ids and second.stats.target_prefill_reused_tokens > 0  # from memory
+    assert second.stats.target_prefill_disk_tokens == 0
+    assert sum("cannot store key/value blocks" in r.getMessage() for r in caplog.records) == 1, caplog.text
+    leftovers = [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    assert not leftovers
+
+
+def test_the_least_recently_used_blocks_go_first_when_over_the_bound(tiny_model, tmp_path):
+    big = for_model(tiny_model, 1 << 30, tmp_path)
+    with torch.inference_mode():
+        one, two = KVCache(tiny_model.model, 64), KVCache(tiny_model.model, 64)
+        one.prefill(TOKENS)
+        two.prefill([3] * 1100)
+    big.write(one).result()
+    size = sum(s for _, s, _ in list_files(tmp_path))
+    old = time.time() - 100
+    for path, _, _ in list_files(tmp_path):
+        os.utime(path, (old, old))
+    big.extend(KVCache(tiny_model.model, 64), TOKENS[:600] + [0] * 500)  # blocks 0-1 used now
+    small = for_model(tiny_model, size + size // 2, tmp_path)
+    small.write(two).result()  # four more blocks: over the bound by about two and a half
+    left = {p.name for p, _, _ in list_files(tmp_path)}
+    names = chain_hashes(big.key, TOKENS, 4)
+    assert f"{names[0]}{SUFFIX}" in left and f"{names[1]}{SUFFIX}" in left  # used most recently: kept
+    assert f"{names[2]}{SUFFIX}" not in left and f"{names[3]}{SUFFIX}" not in left
+    assert sum(s for _, s, _ in list_files(tmp_path)) <= size + size // 2
+
+
+def test_a_second_engine_answers_from_the_blocks_the_first_wrote(tiny_model, tmp_path):
+    document = " ".join(f"Line {i}: the keeper logged {i * 3} gulls." for i in range(60))
+    question = "How many gulls on line 17?"
+    first = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(tmp_path))
+    one = first.generate(document, question, mode="rapid", max_new_tokens=24, temperature=0.0)
+    first.disk_store.flush()
+    assert one.stats.target_prefill_disk_tokens == 0 and list_files(tmp_path)
+    second = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(tmp_path))
+    two = second.generate(document, question, mode="rapid", max_new_tokens=24, temperature=0.0)
+    prompt = two.stats.prompt_tokens_target
+    assert two.stats.target_prefill_disk_tokens == (prompt - 1) // BLOCK_TOKENS * BLOCK_TOKENS > 0
+    assert two.stats.target_prefill_reused_tokens == two.stats.target_prefill_disk_tokens
+    assert two.token_ids == one.token_ids and two.text == one.text
+    off = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0, kv_cache_dir=str(tmp_path))
+    assert off.disk_store is None
+    assert off.generate(document, question, mode="lc", max_new_tokens=4).stats.target_prefill_disk_tokens == 0
+
+
+def test_bad_settings_are_refused_in_one_line(tiny_model):
+    with pytest.raises(RapidspecError, match="kv_cache_gib must be >= 0"):
+        Rapid(tiny_model, kv_cache_gib=-1)
+    with pytest.raises(RapidspecError, match="kv_cache_gib must be a number >= 0"):
+        EngineSpec(kv_cache_gib=float("nan"))
+    with pytest.raises(RapidspecError, match="kv_cache_dir must be a folder's path"):
+        EngineSpec(kv_cache_dir=" ")
