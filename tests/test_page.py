@@ -165,6 +165,7 @@ def test_a_long_answer_keeps_the_page_painting(browser, server):
     browser.get(f"{server}/")
     # the key stored here too: under pytest-xdist this test may run in another worker's browser than the ones above
     browser.execute_script(f"localStorage.setItem('rapidspec-api-key', {json.dumps(KEY)})")
+    console_errors(browser)  # read (and so dropped): a load before the key was stored
     browser.get(f"{server}/")
     wait_for(browser, "return document.getElementById('model').options.length > 0", 30)
     browser.execute_script("document.getElementById('document').value = ''")
