@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rapidspec.runtime.kv_store import BLOCK_TOKENS, list_files
+from rapidspec.cli.cache import models
 
 OTHER_QUESTION = "Which module does the document describe first? Answer in one sentence."
 
@@ -87,11 +87,10 @@ def main() -> int:
             document.write_text(item.document, encoding="utf-8")
             runs = [ask(document, item.question, folder, args), ask(document, item.question, folder, args),
                     ask(document, OTHER_QUESTION, folder, args)]
-            held = list_files(folder)
-            tokens = len(held) * BLOCK_TOKENS
+            held = models(folder)
+            tokens, size = sum(m["tokens"] for m in held), sum(m["bytes"] for m in held)
             row = {"length": length, "runs": runs, "same_answer": runs[0]["text"] == runs[1]["text"],
-                   "disk_bytes": sum(s for _, s, _ in held), "disk_bytes_per_1k_tokens": round(
-                       sum(s for _, s, _ in held) / max(tokens, 1) * 1000)}
+                   "disk_tokens": tokens, "disk_bytes": size, "disk_bytes_per_1k_tokens": round(size / max(tokens, 1) * 1000)}
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:

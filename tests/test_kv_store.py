@@ -23,14 +23,21 @@ from rapidspec import Rapid
 from rapidspec.engine.spec import EngineSpec
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig
-from rapidspec.runtime import kv_store
+from rapidspec.runtime import kv_blocks, kv_store
 from rapidspec.runtime.cache import KVCache
-from rapidspec.runtime.kv_store import BLOCK_TOKENS, SUFFIX, chain_hashes, for_model, list_files
+from rapidspec.runtime.kv_blocks import BLOCK_TOKENS, SUFFIX, block_name, prefix_hashes
+from rapidspec.runtime.kv_store import for_model, list_files
 from rapidspec.runtime.lean import LeanModel
 from rapidspec.runtime.lean_cache import LeanKVCache
 from tests.conftest import make_tiny_model
 
 TOKENS = [int(t) for t in torch.randint(0, 200, (1100,), generator=torch.Generator().manual_seed(0))]  # 4 blocks + 76
+
+
+def names(store, tokens) -> list[str]:
+    """The file names of the blocks of ``tokens`` in ``store``."""
+    return [block_name(prefix, tokens[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS])
+            for j, prefix in enumerate(prefix_hashes(store.key, tokens))]
 
 
 class Subject(NamedTuple):
@@ -60,45 +67,61 @@ def block_files(store) -> list:
 
 def test_blocks_read_back_give_the_logits_of_a_fresh_prefill(model, tmp_path):
     store = for_model(model.loaded, 1 << 30, tmp_path)
-    assert store.write(filled(model, TOKENS)).result() == 4 and len(block_files(store)) == 4
+    assert store.write(filled(model, TOKENS)).result() == 5 and len(block_files(store)) == 5  # 4 whole, 1 of 76
     wanted = TOKENS + [7, 8]
     reader = for_model(model.loaded, 1 << 30, tmp_path)  # another process: the same key from the same weights
     assert reader.key == store.key
     cache = model.empty()
     with torch.inference_mode():
-        assert reader.extend(cache, wanted) == 4 * BLOCK_TOKENS and cache.token_ids == TOKENS[: 4 * BLOCK_TOKENS]
+        assert reader.extend(cache, wanted) == len(TOKENS) and cache.token_ids == TOKENS
         read = cache.forward(wanted[cache.length :], num_logits=1)
         fresh = filled(model, wanted[:-1]).forward(wanted[-1:], num_logits=1)
     torch.testing.assert_close(read, fresh, atol=1e-5, rtol=1e-5)
 
 
-def test_a_longer_prompt_reuses_the_blocks_it_shares_and_writes_only_its_own(tiny_model, tmp_path):
-    store = for_model(tiny_model, 1 << 30, tmp_path)
-    first = KVCache(tiny_model.model, 64)
+def test_a_prompt_that_goes_on_differently_reads_up_to_where_it_differs(model, tmp_path):
+    """The blocks before the difference whole, then the first tokens of the block it differs in (a new question
+    after the same document); its own blocks are written beside the first prompt's."""
+    store = for_model(model.loaded, 1 << 30, tmp_path)
+    store.write(filled(model, TOKENS)).result()
+    other = TOKENS[:600] + [5] * 700  # differs inside block 2
+    cache = model.empty()
     with torch.inference_mode():
-        first.prefill(TOKENS)
-        store.write(first).result()
-        other = TOKENS[:600] + [5] * 700  # shares two whole blocks
-        second = KVCache(tiny_model.model, 64)
-        second.prefill(other)
-        assert store.write(second).result() == 3  # blocks 3-5 are new: 0-1 are the first's
-        cache = KVCache(tiny_model.model, 64)
-        assert store.extend(cache, other + [1]) == 5 * BLOCK_TOKENS
-        fresh = KVCache(tiny_model.model, 64)
-        fresh.prefill(TOKENS[:700] + [9] * 500)  # diverges inside block 2: blocks 0-1 only
-        cache = KVCache(tiny_model.model, 64)
-        assert store.extend(cache, fresh.token_ids) == 2 * BLOCK_TOKENS
+        assert store.extend(cache, other) == 600 and cache.token_ids == other[:600]
+        read = cache.forward(other[600:], num_logits=1)
+        fresh = filled(model, other[:-1]).forward(other[-1:], num_logits=1)
+        torch.testing.assert_close(read, fresh, atol=1e-5, rtol=1e-5)
+        assert store.write(filled(model, other)).result() == 4  # blocks 2-5 are its own: 0-1 are the first's
+        cache = model.empty()
+        assert store.extend(cache, other + [1]) == len(other)
+        cache = model.empty()
+        assert store.extend(cache, TOKENS + [1]) == len(TOKENS)  # the first prompt's blocks are all there still
 
 
-def test_a_cache_from_memory_is_continued_from_its_last_whole_block(model, tmp_path):
+def test_a_longer_answer_replaces_the_partial_block_it_extends(tiny_model, tmp_path):
+    store = for_model(tiny_model, 1 << 30, tmp_path)
+    short, longer = KVCache(tiny_model.model, 64), KVCache(tiny_model.model, 64)
+    with torch.inference_mode():
+        short.prefill(TOKENS[:1050])
+        longer.prefill(TOKENS)
+    store.write(short).result()
+    store.write(longer).result()
+    last = sorted(p.name for p in store.folder.glob(f"{prefix_hashes(store.key, TOKENS)[4]}-*"))
+    assert last == [names(store, TOKENS)[4]]  # 26 tokens replaced by 76
+    assert len(block_files(store)) == 5
+
+
+def test_a_cache_from_memory_is_continued_from_its_last_block_boundary(model, tmp_path):
     store = for_model(model.loaded, 1 << 30, tmp_path)
     store.write(filled(model, TOKENS)).result()
     cache = filled(model, TOKENS[:300])  # what a prefix cache in memory held: one block and 44 tokens
     with torch.inference_mode():
-        assert store.extend(cache, TOKENS) == 3 * BLOCK_TOKENS and cache.length == 4 * BLOCK_TOKENS
-        read = cache.forward(TOKENS[cache.length :], num_logits=1)
+        assert store.extend(cache, TOKENS[:-1]) == len(TOKENS) - 1 - 300 and cache.length == len(TOKENS) - 1
+        read = cache.forward(TOKENS[-1:], num_logits=1)
         fresh = filled(model, TOKENS[:-1]).forward(TOKENS[-1:], 1)
-    torch.testing.assert_close(read, fresh, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(read, fresh, atol=1e-5, rtol=1e-5)
+        further = filled(model, TOKENS[:1090])  # a cache from memory beyond what the disk adds: left as it is
+        assert store.extend(further, TOKENS[:1095]) == 5 and further.length == 1095
 
 
 def test_short_prompts_are_neither_written_nor_read(tiny_model, tmp_path):
@@ -124,14 +147,14 @@ def damage(path, how: str) -> None:
 def test_a_damaged_block_is_logged_once_removed_and_never_loaded(model, tmp_path, how, caplog):
     store = for_model(model.loaded, 1 << 30, tmp_path)
     store.write(filled(model, TOKENS)).result()
-    names = chain_hashes(store.key, TOKENS, 4)
-    damage(store.folder / f"{names[2]}{SUFFIX}", how)
-    damage(store.folder / f"{names[3]}{SUFFIX}", how)
+    blocks = names(store, TOKENS)
+    damage(store.folder / blocks[2], how)
+    damage(store.folder / blocks[3], how)
     cache = model.empty()
     kv_store._warned.clear()
     with caplog.at_level(logging.DEBUG, logger="rapidspec.runtime.kv_store"), torch.inference_mode():
         assert store.extend(cache, TOKENS) == 2 * BLOCK_TOKENS  # the good blocks before it
-        assert not (store.folder / f"{names[2]}{SUFFIX}").exists()  # removed
+        assert not (store.folder / blocks[2]).exists()  # removed
         cache.crop(0)
         assert store.extend(cache, TOKENS[:900] + [1] * 200) == 2 * BLOCK_TOKENS
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -142,7 +165,7 @@ def test_a_damaged_block_is_logged_once_removed_and_never_loaded(model, tmp_path
         assert store.extend(cache, TOKENS) == 3 * BLOCK_TOKENS  # block 3 read, found bad, removed
         assert store.write(filled(model, TOKENS)).result() == 1
         cache.crop(0)
-        assert store.extend(cache, TOKENS) == 4 * BLOCK_TOKENS
+        assert store.extend(cache, TOKENS) == len(TOKENS)
 
 
 @pytest.mark.parametrize("other", ["weights", "dtype"])
@@ -157,16 +180,16 @@ def test_a_file_of_another_model_or_dtype_is_never_loaded(tiny_model, tmp_path, 
         their_store.write(written).result()
     # their files, put where ours would be: the names our store looks for
     ours_store.folder.mkdir(parents=True)
-    mine = chain_hashes(ours_store.key, TOKENS, 4)
-    for name, theirs_name in zip(mine, chain_hashes(their_store.key, TOKENS, 4)):
-        (ours_store.folder / f"{name}{SUFFIX}").write_bytes((their_store.folder / f"{theirs_name}{SUFFIX}").read_bytes())
+    mine = names(ours_store, TOKENS)
+    for name, theirs_name in zip(mine, names(their_store, TOKENS)):
+        (ours_store.folder / name).write_bytes((their_store.folder / theirs_name).read_bytes())
     cache = KVCache(tiny_model.model, 64)
     assert ours_store.extend(cache, TOKENS) == 0 and cache.length == 0
-    assert not (ours_store.folder / f"{mine[0]}{SUFFIX}").exists()  # the first was read, refused and removed
+    assert not (ours_store.folder / mine[0]).exists()  # the first was read, refused and removed
     with torch.inference_mode():
         cache.prefill(TOKENS[:300])  # a cache from memory holding block 0: block 1 is the next one read
         assert ours_store.extend(cache, TOKENS) == 0 and cache.length == 300
-    assert not (ours_store.folder / f"{mine[1]}{SUFFIX}").exists()
+    assert not (ours_store.folder / mine[1]).exists()
 
 
 def test_two_writers_at_once_leave_one_good_file_per_block(tiny_model, tmp_path):
@@ -189,8 +212,8 @@ def test_two_writers_at_once_leave_one_good_file_per_block(tiny_model, tmp_path)
     for thread in threads:
         thread.join(timeout=60)
     files = sorted(p.name for p in stores[0].folder.iterdir())
-    assert files == sorted([f"{n}{SUFFIX}" for n in chain_hashes(stores[0].key, TOKENS, 4)] + ["model.json"])
-    assert stores[0].extend(KVCache(tiny_model.model, 64), TOKENS) == 4 * BLOCK_TOKENS  # all four read back whole
+    assert files == sorted(names(stores[0], TOKENS) + ["model.json"])
+    assert stores[0].extend(KVCache(tiny_model.model, 64), TOKENS) == len(TOKENS)  # all five read back whole
 
 
 @pytest.mark.parametrize("fault", ["not a folder", "full disk"])
@@ -204,7 +227,7 @@ def test_a_folder_that_cannot_take_blocks_keeps_serving_from_memory(tiny_model, 
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(kv_store, "save_file", full)
+        monkeypatch.setattr(kv_blocks, "save_file", full)
     store = for_model(tiny_model, 1 << 30, root)
     engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(root))
     engine._disk = store
@@ -232,14 +255,14 @@ def test_the_least_recently_used_blocks_go_first_when_over_the_bound(tiny_model,
     old = time.time() - 100
     for path, _, _ in list_files(tmp_path):
         os.utime(path, (old, old))
-    big.extend(KVCache(tiny_model.model, 64), TOKENS[:600] + [0] * 500)  # blocks 0-1 used now
+    big.extend(KVCache(tiny_model.model, 64), TOKENS[:600] + [0] * 500)  # blocks 0-2 used now (2 in part)
     small = for_model(tiny_model, size + size // 2, tmp_path)
-    small.write(two).result()  # four more blocks: over the bound by about two and a half
+    small.write(two).result()  # as much again: over the bound
     left = {p.name for p, _, _ in list_files(tmp_path)}
-    names = chain_hashes(big.key, TOKENS, 4)
-    assert f"{names[0]}{SUFFIX}" in left and f"{names[1]}{SUFFIX}" in left  # used most recently: kept
-    assert f"{names[2]}{SUFFIX}" not in left and f"{names[3]}{SUFFIX}" not in left
+    blocks = names(big, TOKENS)
+    assert blocks[3] not in left and blocks[4] not in left  # not used since they were written: the first to go
     assert sum(s for _, s, _ in list_files(tmp_path)) <= size + size // 2
+    assert {blocks[1], blocks[2]} <= left  # used most recently of the first prompt's
 
 
 def test_a_second_engine_answers_from_the_blocks_the_first_wrote(tiny_model, tmp_path):
@@ -252,7 +275,7 @@ def test_a_second_engine_answers_from_the_blocks_the_first_wrote(tiny_model, tmp
     second = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(tmp_path))
     two = second.generate(document, question, mode="rapid", max_new_tokens=24, temperature=0.0)
     prompt = two.stats.prompt_tokens_target
-    assert two.stats.target_prefill_disk_tokens == (prompt - 1) // BLOCK_TOKENS * BLOCK_TOKENS > 0
+    assert two.stats.target_prefill_disk_tokens == prompt - 1  # the whole prompt but its last token (the first step)
     assert two.stats.target_prefill_reused_tokens == two.stats.target_prefill_disk_tokens
     assert two.token_ids == one.token_ids and two.text == one.text
     off = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0, kv_cache_dir=str(tmp_path))

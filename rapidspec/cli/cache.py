@@ -47,19 +47,24 @@ def register(subparsers: Any) -> None:
 
 def models(root: Path) -> list[dict]:
     """One entry per model folder under ``root``: its key, what ``model.json`` says, blocks, bytes, last use."""
-    from rapidspec.runtime.kv_store import BLOCK_TOKENS, MODEL_FILE, list_files
+    from rapidspec.runtime.kv_blocks import block_token_count
+    from rapidspec.runtime.kv_store import MODEL_FILE, list_files
 
     by_model: dict[str, list] = {}
     for path, size, used in list_files(root):
-        by_model.setdefault(path.parent.name, []).append((size, used))
+        try:
+            tokens = block_token_count(path)
+        except Exception:  # noqa: BLE001 - a damaged file: counted without tokens (the next read removes it)
+            tokens = 0
+        by_model.setdefault(path.parent.name, []).append((size, used, tokens))
     found = []
     for key, files in sorted(by_model.items()):
         try:
             described = json.loads((root / key / MODEL_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             described = {}
-        found.append({"key": key, "model": described, "blocks": len(files), "tokens": len(files) * BLOCK_TOKENS,
-                      "bytes": sum(size for size, _ in files), "last_used": max(used for _, used in files)})
+        found.append({"key": key, "model": described, "blocks": len(files), "tokens": sum(f[2] for f in files),
+                      "bytes": sum(f[0] for f in files), "last_used": max(f[1] for f in files)})
     return found
 
 
