@@ -6,10 +6,12 @@ For each length, the built-in long document of about that many tokens (Python's 
 planted fact) is written to a file and asked about by separate ``rapidspec generate --json`` processes sharing a
 fresh ``--kv-cache-dir``, one after the other: the first asks the planted-fact question (a full prefill, whose
 blocks it writes), the second asks the same question again (a new process: the answer must equal the first's),
-the third asks another question about the same document. Reported per process: the wait before the first token
+the third asks another question about the same document; then ``rapidspec serve`` is started on the folder,
+asked the first question (streamed), stopped, and started and asked again (a restart). Reported per process: the wait before the first token
 (``stats.time_to_first_token``: retrieval, the target's prefill or its read from disk, the first step), the
 target's prefill seconds, the prompt tokens read from disk, the process's wall time, and the folder's bytes per
-1K tokens held. Every process runs with the same options (``--mode``, greedy); the machine, its CPU flags and its
+1K tokens held; for the servers, the seconds from sending the request to its first token's chunk, measured
+by the client. Every process runs with the same options (``--mode``, greedy); the machine, its CPU flags and its
 load average at the start head the output.
 """
 
@@ -26,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rapidspec.bench.serve.process import free_port
 from rapidspec.cli.cache import models
 
 OTHER_QUESTION = "Which module does the document describe first? Answer in one sentence."
@@ -63,6 +66,47 @@ def ask(document: Path, question: str, folder: Path, args) -> dict:
             "reused_tokens": stats["target_prefill_reused_tokens"]}
 
 
+def serve_and_ask(document: Path, question: str, folder: Path, args) -> dict:
+    """A ``rapidspec serve`` started now on the folder, one streamed request: seconds from sending it to the first
+    token's chunk, measured by the client, and the prompt tokens the server read from disk."""
+    import httpx
+
+    port = free_port()
+    command = [sys.executable, "-m", "rapidspec", "serve", "--port", str(port), "--kv-cache-dir", str(folder),
+               "--target", args.target]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + args.timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{' '.join(command)} did not start")
+            time.sleep(0.5)
+        body = {"messages": [{"role": "user", "content": question}], "documents": [document.read_text(encoding="utf-8")],
+                "max_tokens": args.max_new_tokens, "temperature": 0, "mode": args.mode, "stream": True}
+        first, text, stats = None, [], {}
+        started = time.perf_counter()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=args.timeout) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        first = first or time.perf_counter() - started
+                        text.append(choice["delta"]["content"])
+                stats = chunk.get("rapidspec", {}).get("stats", stats)
+        return {"question": question, "text": "".join(text), "request_to_first_token_s": round(first or float("nan"), 3),
+                "disk_tokens": stats.get("target_prefill_disk_tokens"), "prompt_tokens": stats.get("prompt_tokens_target")}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="8192,16384,32768", help="document lengths in tokens, comma-separated")
@@ -87,9 +131,11 @@ def main() -> int:
             document.write_text(item.document, encoding="utf-8")
             runs = [ask(document, item.question, folder, args), ask(document, item.question, folder, args),
                     ask(document, OTHER_QUESTION, folder, args)]
+            served = [serve_and_ask(document, item.question, folder, args) for _ in range(2)]  # a restart between
             held = models(folder)
             tokens, size = sum(m["tokens"] for m in held), sum(m["bytes"] for m in held)
-            row = {"length": length, "runs": runs, "same_answer": runs[0]["text"] == runs[1]["text"],
+            row = {"length": length, "runs": runs, "served": served,
+                   "same_answer": runs[0]["text"] == runs[1]["text"] == served[0]["text"] == served[1]["text"],
                    "disk_tokens": tokens, "disk_bytes": size, "disk_bytes_per_1k_tokens": round(size / max(tokens, 1) * 1000)}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -101,7 +147,9 @@ def main() -> int:
               f"(prefill {first['target_prefill_s']:.1f} s); a new process, same question "
               f"{again['time_to_first_token_s']:.2f} s ({again['disk_tokens']} tokens from disk, same answer: "
               f"{row['same_answer']}); another question {other['time_to_first_token_s']:.2f} s; "
-              f"{row['disk_bytes_per_1k_tokens'] / 2**20:.2f} MiB per 1K tokens")
+              f"{row['disk_bytes_per_1k_tokens'] / 2**20:.2f} MiB per 1K tokens; rapidspec serve, started twice: "
+              f"{' and '.join(str(r['request_to_first_token_s']) for r in row['served'])} s from the request to its "
+              f"first token")
     print("median wall s per process:", statistics.median(r["wall_s"] for row in rows for r in row["runs"]))
     return 0
 

@@ -283,8 +283,13 @@ def _run(block: Block, work: Path, env: dict[str, str]) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", RUNNABLE_PARAMS, ids=lambda p: p.name)
-def test_runnable_examples_run_as_written(page, tmp_path):
+def test_runnable_examples_run_as_written(page, tmp_path, tmp_path_factory):
     work, env, servers = _scratch(tmp_path), _environment(), []
+    # the pages share one key/value cache on disk, as a user's examples share ~/.cache/rapidspec/kv: the built-in
+    # document is read once in the run, not once per example (the workers of one run share the folder)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    env["RAPIDSPEC_KV_CACHE"] = str(base.parent / f"docs-kv-{run}" if run else base / "docs-kv")
     try:
         for block in (b for b in blocks(page) if b.marker):
             if block.marker == "server":

@@ -120,8 +120,9 @@ def test_a_cache_from_memory_is_continued_from_its_last_block_boundary(model, tm
         read = cache.forward(TOKENS[-1:], num_logits=1)
         fresh = filled(model, TOKENS[:-1]).forward(TOKENS[-1:], 1)
         torch.testing.assert_close(read, fresh, atol=1e-5, rtol=1e-5)
-        further = filled(model, TOKENS[:1090])  # a cache from memory beyond what the disk adds: left as it is
-        assert store.extend(further, TOKENS[:1095]) == 5 and further.length == 1095
+        further = filled(model, TOKENS[:1000])  # the disk adds fewer than MIN_READ_TOKENS: left as it is
+        assert store.extend(further, TOKENS[:1000 + kv_store.MIN_READ_TOKENS - 1]) == 0 and further.length == 1000
+        assert store.extend(further, TOKENS[:1000 + kv_store.MIN_READ_TOKENS]) == kv_store.MIN_READ_TOKENS
 
 
 def test_short_prompts_are_neither_written_nor_read(tiny_model, tmp_path):

@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         Console().print(f"{root} holds no key/value blocks")
         return 0
     table = Table(title=f"key/value cache: {root}")
-    for column in ("key", "model", "dtype", "runtime", "blocks", "tokens", "MiB", "last used"):
+    table.add_column("key", no_wrap=True, min_width=12)
+    for column in ("model", "dtype", "runtime", "blocks", "tokens", "MiB", "last used"):
         table.add_column(column, justify="right" if column in ("blocks", "tokens", "MiB") else "left")
     for m in held:
         described = m["model"]

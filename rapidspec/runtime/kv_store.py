@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: Caches shorter than this are neither written nor looked up (their prefill is cheaper than the files).
 MIN_TOKENS = 1024
+#: The fewest tokens beyond what a cache holds that are worth reading (a shared template's first tokens are not).
+MIN_READ_TOKENS = 64
 MODEL_FILE = "model.json"
 
 _warned: set[str] = set()
@@ -92,23 +94,25 @@ class DiskKVStore:
         if len(token_ids) < MIN_TOKENS or not hasattr(cache, "append_kv") or not self.folder.is_dir():
             return 0
         prefixes = prefix_hashes(self.key, token_ids)
-        read = 0
+        waiting, end, cropped = [], first * BLOCK_TOKENS, False  # blocks read but not appended yet, where they reach
         for j in range(first, len(prefixes)):
             wanted = token_ids[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS]
             block = self._best_block(prefixes[j], wanted)
             if block is None:
                 break
-            keys, values, count = block
-            if not read:
-                if first * BLOCK_TOKENS + count <= held:  # no further than the cache already is
-                    break
-                cache.crop(first * BLOCK_TOKENS)
-            cache.append_kv(wanted[:count], keys[:, :, :count].to(cache.device), values[:, :, :count].to(cache.device))
-            self.blocks_read += 1
-            read += count
-            if count < len(wanted) or count < BLOCK_TOKENS:  # the prompt goes on differently, or the block ended
+            waiting.append((wanted, block))
+            end += block[2]
+            if end >= held + MIN_READ_TOKENS:  # worth it: the cache goes back to its block boundary and on from there
+                if not cropped:
+                    cache.crop(first * BLOCK_TOKENS)
+                    cropped = True
+                for ids, (keys, values, count) in waiting:
+                    cache.append_kv(ids[:count], keys[:, :, :count].to(cache.device), values[:, :, :count].to(cache.device))
+                    self.blocks_read += 1
+                waiting.clear()
+            if block[2] < BLOCK_TOKENS:  # the prompt goes on differently, or ends, inside this block
                 break
-        return max(0, cache.length - held) if read else 0
+        return max(0, cache.length - held)
 
     def _best_block(self, prefix: str, wanted: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """The block after ``prefix`` sharing the most first tokens with ``wanted`` (read and checked), with that
