@@ -265,6 +265,9 @@ def test_metrics_move(client, server):
         client.chat.completions.create(model="tiny", messages=HISTORY, max_tokens=6,
                                        extra_body={"ignore_eos": True, "mode": "rapid", "drafter_start": "first"})
     assert HTTP.post(f"{server}/v1/chat/completions", content=b"hello", timeout=30).status_code == 400
+    not_utf8 = HTTP.post(f"{server}/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\xff"}]}',
+                         headers={"Content-Type": "application/json"}, timeout=30)
+    assert not_utf8.status_code == 400 and "not valid JSON in UTF-8" in not_utf8.json()["error"]["message"]
     assert metric(server, "rapidspec:request_success_total", finished_reason="length") == before + 2
     assert metric(server, "rapidspec:generation_tokens_total") == generated + 12
     assert metric(server, "rapidspec:spec_decode_num_draft_tokens_total") > 0
@@ -272,7 +275,8 @@ def test_metrics_move(client, server):
     assert metric(server, "rapidspec:time_to_first_token_seconds_count") > 0
     assert metric(server, "rapidspec:e2e_request_latency_seconds_count") > 0
     assert metric(server, "rapidspec:prefix_cache_hits_total") > hits
-    assert metric(server, "rapidspec:request_failure_total", reason="bad_request") == refused + 1
+    assert metric(server, "rapidspec:request_failure_total", reason="bad_request") == refused + 2
+    assert metric(server, "rapidspec:prefix_cache_bytes") > 0  # the first request's cache, kept
 
 
 def test_a_body_that_is_not_a_json_object_is_a_400(server):

@@ -63,7 +63,12 @@ def add_error_handlers(app: FastAPI, metrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        return error_response(err.status_code, str(err.detail), "invalid_request_error", None, None)
+        if err.status_code != 400:  # an unknown route or method: no request was made of the model
+            return error_response(err.status_code, str(err.detail), "invalid_request_error", None, None)
+        metrics.failed("bad_request")  # FastAPI's own 400: a body it could not decode (bytes that are not UTF-8)
+        message = ("the request body is not valid JSON in UTF-8" if err.detail == "There was an error parsing the body"
+                   else str(err.detail))
+        return error_response(400, message, "invalid_request_error", None, "json_invalid")
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:

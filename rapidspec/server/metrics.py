@@ -15,8 +15,9 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 64
 
 
 class ServerMetrics:
-    def __init__(self, model: str, waiting, running) -> None:
-        """``waiting()`` and ``running()`` report the queue's current counts."""
+    def __init__(self, model: str, waiting, running, prefix_cache_bytes=lambda: 0) -> None:
+        """``waiting()`` and ``running()`` report the queue's current counts, ``prefix_cache_bytes()`` what the
+        engine's prefix cache holds."""
         self.registry = CollectorRegistry()
         self._drafted = self._accepted = 0
         labels = {"labelnames": ["model_name"], "registry": self.registry}
@@ -25,6 +26,9 @@ class ServerMetrics:
         self.requests_running.labels(model).set_function(running)
         self.requests_waiting = Gauge("rapidspec:num_requests_waiting", "Requests waiting in the queue.", **labels)
         self.requests_waiting.labels(model).set_function(waiting)
+        self.prefix_cache_bytes = Gauge("rapidspec:prefix_cache_bytes", "Key/value bytes the prefix cache holds "
+                                        "(in memory; its bound is --prefix-cache-gib).", **labels)
+        self.prefix_cache_bytes.labels(model).set_function(prefix_cache_bytes)
         self.request_success = Counter(
             "rapidspec:request_success", "Finished requests by finish reason.",
             labelnames=["model_name", "finished_reason"], registry=self.registry,

@@ -39,7 +39,8 @@ class ServerState:
                                      free_memory_bytes(engine.target.device), engine.prefix_cache.max_bytes)
         self.worker = Worker(config.max_queue, slots, batched=config.batch_steps)
         self.metrics = ServerMetrics(config.model_name, waiting=lambda: self.worker.waiting,
-                                     running=lambda: self.worker.running)
+                                     running=lambda: self.worker.running,
+                                     prefix_cache_bytes=lambda: engine.prefix_cache.bytes_used)
         self.tokens = ServerTokens(engine.tokenizer, config.max_document_tokens or 4 * window)
         self.pieces = TokenPieces(engine.tokenizer)
         # requests are prepared (sized, retrieved, rendered) here, as many at once as may be admitted
