@@ -40,7 +40,8 @@ class StreamChunk:
 
     ``round``: the draft/verify round that emitted ``token_ids`` (its first
     ``round.accepted`` tokens are accepted drafts, a next one the target's own
-    choice: :func:`token_kinds`).
+    choice: :func:`token_kinds`). ``prefill``: (prompt tokens the target
+    holds, its prompt tokens) on the empty chunk after each prefill chunk.
     """
 
     text: str
@@ -48,6 +49,7 @@ class StreamChunk:
     output: GenerationOutput | None = field(default=None, repr=False)
     logprobs: tuple = ()  # TokenLogprob per token of token_ids when DecodeConfig.logprobs is set
     round: RoundRecord | None = None
+    prefill: tuple[int, int] | None = None
 
 
 def token_kinds(chunk: StreamChunk) -> list[str]:

@@ -49,9 +49,11 @@ def test_prefill_stops_between_chunks_and_the_cache_store_stays_clean(tiny_model
     assert len(prompts.target_ids) > 512
     with pytest.raises(PrefillStopped):
         next(rapid.decode(prompts, rapid_config, should_stop=lambda: True))
-    assert len(rapid.prefix_cache) == 0  # a stopped prefill is not kept
+    # a stopped prefill keeps the chunk it read, exactly: a prefix of the prompt, which the next request reuses
+    assert rapid.prefix_cache.held_token_ids == [list(prompts.target_ids[:256])]
     after = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=8)
-    fresh = engine(tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=8)
+    assert after.stats.target_prefill_reused_tokens == 256
+    fresh = engine(tiny_model, kv_cache_gib=0).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=8)
     assert after.token_ids == fresh.token_ids
 
 

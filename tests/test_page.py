@@ -124,6 +124,7 @@ def test_an_answer_streams_with_its_tokens_marked_and_the_chunk_highlighted(brow
     runs = wait_for(browser, "return window.rapidspecRuns.length >= 2 && window.rapidspecRuns")
     rapid, lc = runs
     assert rapid["mode"] == "rapid" and lc["mode"] == "lc" and rapid["tokens"] > 0 and lc["tokens"] > 0
+    assert rapid["prefillEvents"] >= 1 and not rapid["progressLeft"]  # the prefill's line shown, then replaced
     assert browser.find_elements("css selector", ".answers.two .tok.accepted"), rapid["kinds"]
     assert browser.find_element("id", "legend").is_displayed() and not browser.find_element("id", "intro").is_displayed()
     marks = browser.find_elements("css selector", "#docview mark.chunk")

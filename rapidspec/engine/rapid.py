@@ -240,8 +240,9 @@ class Rapid:
         after the current round; ``should_stop()`` is asked between the target's prefill chunks, and a yes
         ends the prefill with :class:`~rapidspec.runtime.errors.PrefillStopped` (a cancelled request);
         ``prefill_progress(done, total)`` hears of each target prefill chunk (a progress bar);
-        ``yield_prefill_chunks`` yields an empty chunk after each (a caller interleaving generations; run
-        them all inside ``torch.inference_mode()``, as the server's worker does). ``config.time_limit_s``
+        ``yield_prefill_chunks`` yields an empty chunk after each, its ``prefill`` saying how far it got (a caller
+        interleaving generations; run them all inside ``torch.inference_mode()``, as the server's worker does). A
+        prefill stopped or closed early keeps what it read (the prefix cache and the disk) for the next request. ``config.time_limit_s``
         ends the answer with stop reason ``time`` (a RapidspecError when the prefill alone takes longer).
         """
         generation_started = time.perf_counter()
@@ -274,7 +275,7 @@ class Rapid:
             try:
                 target_cache = yield from self._prefill_target(
                     target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()),
-                    prefill_progress, StreamChunk(text="") if yield_prefill_chunks else None)
+                    prefill_progress, yield_prefill_chunks)
             except BaseException as error:
                 drop_started(beside)
                 if isinstance(error, PrefillStopped) and out_of_time():
@@ -304,9 +305,7 @@ class Rapid:
                 if run.drafter is not None:
                     run.drafter.close(keep=consistent)
                 if use_store and consistent:
-                    if self.disk_store is not None:  # written in the store's thread; nothing changes the cache
-                        self.disk_store.write(target_cache)
-                    self.prefix_cache.store(target_cache)  # the cache is the store's from now on
+                    self._keep(target_cache)
                 if consistent and self.drafting.drafter_kind(config) == "model":
                     self.acceptance.record(stats.drafted_per_position, stats.accepted_per_position)
 
@@ -336,10 +335,18 @@ class Rapid:
         drafter_context = min(drafter_context, config.max_model_len or drafter_context)
         return target_window, max(16, drafter_context - config.max_new_tokens)
 
+    def _keep(self, cache) -> None:
+        """Hand ``cache`` to the disk (written in the store's thread; nothing changes it) and the prefix cache (it is
+        the store's from now on)."""
+        if self.disk_store is not None:
+            self.disk_store.write(cache)
+        self.prefix_cache.store(cache)
+
     def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, room: int, should_stop,
-                        progress=None, tick: StreamChunk | None = None):
-        """A generator: prefills ``token_ids[:-1]`` from a stored cache sharing a prefix (``tick`` yielded after each
-        chunk when given); returns the cache, allocated once with ``room`` positions (the generation never grows it)."""
+                        progress=None, ticks: bool = False):
+        """A generator: prefills ``token_ids[:-1]`` from a stored cache sharing a prefix (with ``ticks``, an empty
+        chunk after each prefill chunk saying how far it got); returns the cache, allocated once with ``room``
+        positions (the generation never grows it). Stopped or closed early, it keeps what it read (``use_store``)."""
         wanted, cache = token_ids[:-1], None
         if use_store:
             cache, stats.target_prefill_reused_tokens = self.prefix_cache.lookup(wanted, capacity=room)
@@ -349,7 +356,12 @@ class Rapid:
         if use_store and self.disk_store is not None:
             stats.target_prefill_disk_tokens = self.disk_store.extend(cache, wanted)
             stats.target_prefill_reused_tokens = cache.length
-        for _ in cache.prefill_chunks(wanted[cache.length :], should_stop, progress):
-            if tick is not None:
-                yield tick
+        try:
+            for _ in cache.prefill_chunks(wanted[cache.length :], should_stop, progress):
+                if ticks:
+                    yield StreamChunk(text="", prefill=(cache.length, len(wanted)))
+        except (PrefillStopped, GeneratorExit):  # a cancelled request: the next one starts from what was read
+            if use_store:
+                self._keep(cache)
+            raise
         return cache

@@ -162,6 +162,23 @@ def statistics(output: GenerationOutput) -> dict:
     return out
 
 
+class PrefillProgress:
+    """A stream's comment lines while the target reads the prompt: ``: prefill 4096/32150 tokens, 180 tokens/s,
+    156 s left`` (the rate from the second line on). Server-sent-event comments: OpenAI's clients skip them."""
+
+    def __init__(self) -> None:
+        self._first: tuple[float, int] | None = None  # (time, tokens held) at the first line
+
+    def comment(self, done: int, total: int) -> str:
+        now, line = time.perf_counter(), f": prefill {done}/{total} tokens"
+        if self._first is None:
+            self._first = (now, done)
+        elif now > self._first[0] and done > self._first[1]:
+            rate = (done - self._first[1]) / (now - self._first[0])
+            line += f", {rate:.0f} tokens/s, {(total - done) / rate:.0f} s left"
+        return line + "\n\n"
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"

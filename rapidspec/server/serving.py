@@ -27,7 +27,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.grammar.tools import with_tool_grammar
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.server.errors import failure
-from rapidspec.server.responses import FINISH_REASONS, Reply, error_response, sse
+from rapidspec.server.responses import FINISH_REASONS, PrefillProgress, Reply, error_response, sse
 from rapidspec.server.schemas import GenerationRequest
 from rapidspec.server.state import ServerState
 from rapidspec.server.worker import Job
@@ -88,7 +88,7 @@ class GenerationServing:
                 for chunk in stream:  # one prefill chunk or one round per step
                     if cancelled.is_set():
                         return
-                    if chunk.text or chunk.token_ids or chunk.output is not None:
+                    if chunk.text or chunk.token_ids or chunk.output is not None or chunk.prefill is not None:
                         emit("chunk", chunk)
                     yield
             except PrefillStopped:  # cancelled between two prefill chunks
@@ -143,9 +143,11 @@ class GenerationServing:
     async def _complete(self, job: Job, request: Request, reply: Reply, arrived: float):
         output = None
         try:
+            first = True
             while (event := await self._next_event(job, request))[0] == "chunk":
-                if output is None:
+                if first and (event[1].text or event[1].token_ids):
                     self._observe_first_token(arrived)
+                    first = False
                 output = event[1].output or output
         except _Cancelled:
             self.state.metrics.failed("cancelled")
@@ -164,6 +166,7 @@ class GenerationServing:
 
     async def _stream_events(self, job: Job, request: Request, reply: Reply, arrived: float):
         first, finished, failed = True, False, False
+        progress = PrefillProgress()
         try:
             yield sse(reply.chunk(role=True) if reply.chat else reply.chunk(text=""))
             while True:
@@ -174,6 +177,9 @@ class GenerationServing:
                     break
                 if kind != "chunk":
                     break
+                if payload.prefill is not None:  # a comment line: clients skip it, a person watching reads it
+                    yield progress.comment(*payload.prefill)
+                    continue
                 if first and (payload.text or payload.token_ids):
                     self._observe_first_token(arrived)
                     first = False

@@ -153,11 +153,23 @@ async function streamAnswer(body, view) {
     while ((end = buffer.indexOf("\n\n")) >= 0) {
       const event = buffer.slice(0, end);
       buffer = buffer.slice(end + 2);
-      if (event.startsWith("data: ") && event !== "data: [DONE]") handleChunk(JSON.parse(event.slice(6)), run, view, started);
+      if (event.startsWith(": prefill")) showPrefill(event.slice(2), run, view);  // the server reads the prompt
+      else if (event.startsWith("data: ") && event !== "data: [DONE]") handleChunk(JSON.parse(event.slice(6)), run, view, started);
     }
   }
   run.totalMs = performance.now() - started;
   return run;
+}
+
+// "prefill 4096/32150 tokens, 180 tokens/s, 156 s left" where the answer will be, until its first token
+function showPrefill(text, run, view) {
+  if (!run.progress) {
+    run.progress = document.createElement("span");
+    run.progress.className = "prefill";
+    view.text.append(run.progress);
+  }
+  run.progress.textContent = `reading the prompt: ${text.replace(/^prefill /, "")}`;
+  run.prefillEvents = (run.prefillEvents || 0) + 1;
 }
 
 function handleChunk(chunk, run, view, started) {
@@ -166,6 +178,7 @@ function handleChunk(chunk, run, view, started) {
   const ext = chunk.rapidspec;
   if (choice && choice.delta && choice.delta.content) run.text += choice.delta.content;
   if (ext && ext.tokens) {
+    if (run.progress) { run.progress.remove(); run.progress = null; }
     const logprobs = (choice && choice.logprobs && choice.logprobs.content) || [];
     ext.tokens.forEach((token, i) => {
       const span = document.createElement("span");
@@ -318,7 +331,8 @@ async function send(event) {
 function summary(run) {
   const stats = (run.final && run.final.stats) || {};
   return { mode: run.mode, ttftMs: run.ttftMs, totalMs: run.totalMs, maxGapMs: run.maxGapMs, rounds: run.rounds.length,
-           tokens: stats.new_tokens, acceptance: stats.acceptance_rate, kinds: run.kinds };
+           tokens: stats.new_tokens, acceptance: stats.acceptance_rate, kinds: run.kinds,
+           prefillEvents: run.prefillEvents || 0, progressLeft: Boolean(run.progress) };
 }
 
 function conversationJson() {
