@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 from rich.console import Console
 from rich.progress import Progress
@@ -32,8 +33,10 @@ def test_the_bar_shows_long_prefills_only_and_goes_away():
     assert not progress.tasks  # short: nothing shown
     with progress:
         bar(0, 8192)
+        time.sleep(0.01)
         bar(4096, 8192)
         assert progress.tasks[0].completed == 4096 and progress.tasks[0].total == 8192
+        assert progress.tasks[0].fields["rate"].endswith(" tokens/s")  # the rate since the first chunk
         bar(8192, 8192)
         assert not progress.tasks  # done: removed
 

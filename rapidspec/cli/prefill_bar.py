@@ -11,6 +11,7 @@ shows a progress display (bench, eval) the bar is a task of that display.
 from __future__ import annotations
 
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -25,9 +26,10 @@ class PrefillBar:
     def __init__(self, progress: Progress | None = None) -> None:
         self._own = progress is None
         self.progress = progress or Progress(
-            TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TimeElapsedColumn(),
-            TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+            TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
         self._task = None
+        self._first: tuple[float, int] | None = None  # (time, tokens done) at the first call
 
     def __call__(self, done: int, total: int) -> None:
         if total < MIN_TOKENS:
@@ -35,8 +37,11 @@ class PrefillBar:
         if self._task is None:
             if self._own:
                 self.progress.start()
-            self._task = self.progress.add_task("prefill", total=total)
-        self.progress.update(self._task, completed=done)
+            self._task = self.progress.add_task("prefill", total=total, rate="")
+            self._first = (time.perf_counter(), done)
+        elapsed, read = time.perf_counter() - self._first[0], done - self._first[1]
+        rate = f"{read / elapsed:.0f} tokens/s" if elapsed > 0 and read > 0 else ""
+        self.progress.update(self._task, completed=done, rate=rate)
         if done >= total:
             self.progress.remove_task(self._task)
             self._task = None
