@@ -406,3 +406,38 @@ def test_a_llama_server_build_needs_a_cache_that_can_keep_it(tmp_path, monkeypat
     with pytest.raises(RapidspecError, match="cannot keep a llama-server build in") as caught:
         llama_server.build_llama_server()
     assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- the target's key/value blocks
+
+
+@pytest.mark.parametrize("kind", ["read-only", "full"])
+def test_key_value_blocks_where_they_cannot_be_written(kind, way, tiny_model, tmp_path, monkeypatch, undo, caplog):
+    from rapidspec import Rapid
+    from rapidspec.retrieval import RetrievalConfig
+
+    document = " ".join(f"Dock {i}: the crane lifted {i * 13} crates before dusk." for i in range(40))
+
+    def engine(folder: Path) -> Rapid:
+        return Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(folder / "kv"))
+
+    def before(folder: Path) -> None:  # a first process writes the document's blocks while the folder takes them
+        first = engine(folder)
+        first.generate(document, "How many crates at dock 3?", mode="lc", max_new_tokens=4)
+        first.disk_store.flush()
+
+    folder = fault_folder(kind, way, tmp_path, monkeypatch, undo, before)
+    held = files(folder)
+    second = engine(folder)
+    with caplog.at_level(logging.WARNING):
+        outs = []
+        for _ in range(3):
+            outs.append(second.generate(document, "And at dock 30?", mode="lc", max_new_tokens=4))
+            second.disk_store.flush()
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+    assert outs[1].stats.target_prefill_reused_tokens > 0  # from memory
+    if any(name.endswith(".safetensors") for name in held):  # blocks held before the fault are read (64 KiB: none)
+        assert outs[0].stats.target_prefill_disk_tokens > 0
+    logged = warnings(caplog)
+    assert len(logged) == 1 and "cannot store key/value blocks" in logged[0], logged
+    assert files(folder) == held  # nothing partial, nothing temporary

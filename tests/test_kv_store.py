@@ -228,7 +228,7 @@ def test_a_folder_that_cannot_take_blocks_keeps_serving_from_memory(tiny_model, 
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(kv_blocks, "save_file", full)
+        monkeypatch.setattr(kv_blocks, "save", full)
     store = for_model(tiny_model, 1 << 30, root)
     engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(root))
     engine._disk = store

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 #: Tokens per block on disk.
 BLOCK_TOKENS = 256
@@ -90,7 +90,9 @@ def save_block(path: Path, key: str, prefix: str, keys: torch.Tensor, values: to
     ids = torch.tensor(list(token_ids), dtype=torch.int32)
     meta = {"format": FORMAT, "model": key, "prefix": prefix, "tokens": str(len(ids)),
             "checksum": checksum(keys, values, ids)}
-    save_file({"keys": keys, "values": values, "token_ids": ids}, str(path), metadata=meta)
+    data = save({"keys": keys, "values": values, "token_ids": ids}, metadata=meta)
+    with open(path, "xb") as out:  # Python's file: a read-only or full folder is an OSError (cache_write's case)
+        out.write(data)
 
 
 def block_token_count(path: Path) -> int:

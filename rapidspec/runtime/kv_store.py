@@ -162,7 +162,15 @@ class DiskKVStore:
         ``cache`` before the returned future is done; the engine hands over caches it keeps unchanged)."""
         if cache.length < MIN_TOKENS or self.max_bytes == 0 or not hasattr(cache, "held_kv"):
             return None
-        return self._writer.submit(self._write, cache)
+        return self._writer.submit(self._write_logged, cache)
+
+    def _write_logged(self, cache: KVCacheProtocol) -> int:
+        """:meth:`_write`, whose unexpected errors are logged (a thread's future would keep them to itself)."""
+        try:
+            return self._write(cache)
+        except Exception:  # noqa: BLE001 - the blocks are a saving, never a reason for an answer to fail
+            logger.exception("key/value cache: writing blocks to %s failed", self.folder)
+            return 0
 
     def _write(self, cache: KVCacheProtocol) -> int:
         token_ids = cache.token_ids
