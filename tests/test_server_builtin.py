@@ -22,7 +22,8 @@ def test_two_turn_chat_reuses_the_history_and_keeps_greedy_equality(smollm2):
     if history[-1]["role"] == "user":
         history.append({"role": "assistant", "content": "Noted."})
     first_turn = history + [{"role": "user", "content": item.question}]
-    lc = Rapid(target, retrieval=RetrievalConfig(method="bm25")).chat(first_turn, mode="lc", max_new_tokens=24)
+    lc = Rapid(target, retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0).chat(  # leaves nothing on disk:
+        first_turn, mode="lc", max_new_tokens=24)                                         # the server's first turn reads it all
 
     engine = Rapid(target, retrieval=RetrievalConfig(method="bm25"))
     with running_server(engine, model_name="builtin") as url:
