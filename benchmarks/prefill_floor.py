@@ -55,6 +55,28 @@ def floor_seconds(config, tokens: int, rate: float) -> float:
     return (linear + attention) / rate
 
 
+def profile(loaded, context: int, chunk: int) -> int:
+    """Print the operators one ``chunk``-token forward spends its time in, after ``context`` cached tokens (their
+    keys and values random: attention's arithmetic is the same)."""
+    from rapidspec.runtime import new_kv_cache
+
+    lean = loaded.lean
+    cache = new_kv_cache(loaded, chunk)
+    cache.reserve(context + chunk)
+    if context:
+        shape = (lean.num_layers, lean.kv_heads, context, lean.head_dim)
+        cache.append_kv([0] * context, torch.randn(shape).to(loaded.dtype), torch.randn(shape).to(loaded.dtype))
+    ids = torch.randint(0, loaded.model.config.vocab_size, (chunk,)).tolist()
+    with torch.inference_mode():
+        cache.forward(ids, 1)  # warm
+        cache.crop(context)
+        with torch.profiler.profile() as run:
+            cache.forward(ids, 1)
+    print(f"one {chunk}-token chunk after {context} cached tokens ({loaded.quantization}, {loaded.dtype}):")
+    print(run.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="builtin")
@@ -62,6 +84,8 @@ def main() -> int:
     parser.add_argument("--chunks", default="2048", help="prefill chunk sizes, comma-separated")
     parser.add_argument("--quantize", default="auto", help="comma-separated: auto (the file's precision), none")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--profile-context", type=int, default=None, metavar="N",
+                        help="instead: where one chunk's time goes (torch.profiler, by operator) after N cached tokens")
     args = parser.parse_args()
     from rapidspec.demo_document import demo_document
     from rapidspec.models import load_model
@@ -70,6 +94,9 @@ def main() -> int:
     header = {"cpu": cpu_line(), "load_average_at_start": os.getloadavg(), "target": args.target,
               "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M")}
     print(json.dumps(header), flush=True)
+    if args.profile_context is not None:
+        return profile(load_model(args.target, quantize=args.quantize.split(",")[0]), args.profile_context,
+                       int(args.chunks.split(",")[0]))
     rows = []
     for quantize in args.quantize.split(","):
         loaded = load_model(args.target, quantize=quantize)
