@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rapidspec.bench.serve.process import free_port
+from rapidspec.bench.serve.process import LaunchConfig, LocalServer
 from rapidspec.cli.cache import models
 
 OTHER_QUESTION = "Which module does the document describe first? Answer in one sentence."
@@ -51,7 +51,7 @@ def cpu_line() -> str:
 def ask(document: Path, question: str, folder: Path, args) -> dict:
     command = [sys.executable, "-m", "rapidspec", "generate", "--document", str(document), "--question", question,
                "--json", "--quiet", "--mode", args.mode, "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens),
-               "--kv-cache-dir", str(folder), "--target", args.target]
+               "--kv-cache-dir", str(folder), "--target", args.target, "--dtype", args.dtype]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
@@ -71,21 +71,10 @@ def serve_and_ask(document: Path, question: str, folder: Path, args) -> dict:
     token's chunk, measured by the client, and the prompt tokens the server read from disk."""
     import httpx
 
-    port = free_port()
-    command = [sys.executable, "-m", "rapidspec", "serve", "--port", str(port), "--kv-cache-dir", str(folder),
-               "--target", args.target]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + args.timeout
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{' '.join(command)} did not start")
-            time.sleep(0.5)
+    launch = LaunchConfig(("--kv-cache-dir", str(folder), "--target", args.target, "--dtype", args.dtype),
+                          start_timeout_s=args.timeout)
+    with LocalServer(launch) as server:
+        url = server.url
         body = {"messages": [{"role": "user", "content": question}], "documents": [document.read_text(encoding="utf-8")],
                 "max_tokens": args.max_new_tokens, "temperature": 0, "mode": args.mode, "stream": True}
         first, text, stats = None, [], {}
@@ -102,24 +91,22 @@ def serve_and_ask(document: Path, question: str, folder: Path, args) -> dict:
                 stats = chunk.get("rapidspec", {}).get("stats", stats)
         return {"question": question, "text": "".join(text), "request_to_first_token_s": round(first or float("nan"), 3),
                 "disk_tokens": stats.get("target_prefill_disk_tokens"), "prompt_tokens": stats.get("prompt_tokens_target")}
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="8192,16384,32768", help="document lengths in tokens, comma-separated")
     parser.add_argument("--target", default="builtin")
     parser.add_argument("--mode", default="rapid")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one process")
+    parser.add_argument("--dtype", default="auto", help="the target's dtype (default: %(default)s)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (updated after each length)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from rapidspec.demo_document import demo_document
     from rapidspec.models import load_model
 
-    tokenizer = load_model(args.target).tokenizer
+    tokenizer = load_model(args.target, dtype=args.dtype).tokenizer
     header = {"cpu": cpu_line(), "load_average_at_start": os.getloadavg(), "target": args.target, "mode": args.mode,
               "max_new_tokens": args.max_new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")}
     print(json.dumps(header), flush=True)
@@ -135,7 +122,7 @@ def main() -> int:
             held = models(folder)
             tokens, size = sum(m["tokens"] for m in held), sum(m["bytes"] for m in held)
             row = {"length": length, "runs": runs, "served": served,
-                   "same_answer": runs[0]["text"] == runs[1]["text"] == served[0]["text"] == served[1]["text"],
+                   "same_answer": runs[0]["text"] == runs[1]["text"], "served_same_answer": served[0]["text"] == served[1]["text"],
                    "disk_tokens": tokens, "disk_bytes": size, "disk_bytes_per_1k_tokens": round(size / max(tokens, 1) * 1000)}
         rows.append(row)
         print(json.dumps(row), flush=True)
