@@ -292,3 +292,24 @@ def test_bad_settings_are_refused_in_one_line(tiny_model):
         EngineSpec(kv_cache_gib=float("nan"))
     with pytest.raises(RapidspecError, match="kv_cache_dir must be a folder's path"):
         EngineSpec(kv_cache_dir=" ")
+
+
+def test_a_slow_disk_skips_writes_instead_of_holding_caches(tiny_model, tmp_path, monkeypatch):
+    store = for_model(tiny_model, 1 << 30, tmp_path)
+    gate = threading.Event()
+    write = store._write
+
+    def slow(cache):
+        gate.wait(timeout=30)
+        return write(cache)
+
+    monkeypatch.setattr(store, "_write", slow)
+    with torch.inference_mode():
+        caches = [KVCache(tiny_model.model, 64) for _ in range(4)]
+        for n, cache in enumerate(caches):
+            cache.prefill(TOKENS[: 1024 + 10 * n])
+    futures = [store.write(cache) for cache in caches]
+    assert [f is not None for f in futures] == [True] * kv_store.MAX_PENDING_WRITES + [False] * 2
+    gate.set()
+    assert all(f.result(timeout=30) >= 0 for f in futures if f is not None)
+    assert store.write(caches[3]).result(timeout=30) >= 1  # the line is free again

@@ -50,6 +50,8 @@ MIN_TOKENS = 1024
 #: The fewest tokens beyond what a cache holds that are worth reading (a shared template's first tokens are not).
 MIN_READ_TOKENS = 64
 MODEL_FILE = "model.json"
+#: Writes that may wait for the writer thread; beyond them a cache is not written (each holds a cache in memory).
+MAX_PENDING_WRITES = 2
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -81,6 +83,7 @@ class DiskKVStore:
         self.root = Path(folder).expanduser() if folder is not None else default_directory()
         self.folder = self.root / key
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapidspec-kv-write")
+        self._pending, self._pending_lock = 0, threading.Lock()  # writes handed over and not done
         self.blocks_read = self.blocks_written = 0
 
     # ------------------------------------------------------------------ read
@@ -91,7 +94,8 @@ class DiskKVStore:
         its last block boundary and the blocks are appended (each checked whole), never past ``token_ids``.
         """
         held, first = cache.length, cache.length // BLOCK_TOKENS
-        if len(token_ids) < MIN_TOKENS or not hasattr(cache, "append_kv") or not self.folder.is_dir():
+        if len(token_ids) < max(MIN_TOKENS, held + MIN_READ_TOKENS) or not hasattr(cache, "append_kv") \
+                or not self.folder.is_dir():
             return 0
         prefixes = prefix_hashes(self.key, token_ids)
         waiting, end, cropped = [], first * BLOCK_TOKENS, False  # blocks read but not appended yet, where they reach
@@ -162,6 +166,11 @@ class DiskKVStore:
         ``cache`` before the returned future is done; the engine hands over caches it keeps unchanged)."""
         if cache.length < MIN_TOKENS or self.max_bytes == 0 or not hasattr(cache, "held_kv"):
             return None
+        with self._pending_lock:
+            if self._pending >= MAX_PENDING_WRITES:  # a slow disk: skipped, not queued (a later answer's write
+                logger.debug("key/value cache: %d writes pending, one skipped", self._pending)  # has the blocks)
+                return None
+            self._pending += 1
         return self._writer.submit(self._write_logged, cache)
 
     def _write_logged(self, cache: KVCacheProtocol) -> int:
@@ -171,6 +180,9 @@ class DiskKVStore:
         except Exception:  # noqa: BLE001 - the blocks are a saving, never a reason for an answer to fail
             logger.exception("key/value cache: writing blocks to %s failed", self.folder)
             return 0
+        finally:
+            with self._pending_lock:
+                self._pending -= 1
 
     def _write(self, cache: KVCacheProtocol) -> int:
         token_ids = cache.token_ids
