@@ -233,25 +233,38 @@ def _port_taken(port: int) -> bool:
 
 
 def _start_server(block: Block, work: Path, env: dict[str, str]) -> subprocess.Popen:
+    """The block's server, once ``/health`` answers from it (its pid in our process group: another server on the
+    port, another worker's or anyone's, does not count); started again, bounded, when the port was taken first."""
     port = _port_of(block.code)
-    # another worker's test may hold the port for a while (pytest-xdist): wait for it, bounded
-    if not wait_until(lambda: not _port_taken(port), timeout=PORT_WAIT_S, every=1.0):
-        pytest.skip(f"{block.where} serves on port {port}, which something else held for {PORT_WAIT_S} s")
-    log = open(work / f"server_{block.line}.log", "w")
-    proc = subprocess.Popen(["bash", "-c", block.code], cwd=work, env=env, stdin=subprocess.DEVNULL,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + SERVER_START_S
+    log_path = work / f"server_{block.line}.log"
+    deadline = time.monotonic() + PORT_WAIT_S + SERVER_START_S
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{block.where} exited ({proc.returncode}):\n{(work / log.name).read_text()[-3000:]}")
-        try:
-            if HTTP.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+        # another worker's test may hold the port for a while (pytest-xdist): wait for it, bounded
+        if not wait_until(lambda: not _port_taken(port), timeout=PORT_WAIT_S, every=1.0):
+            pytest.skip(f"{block.where} serves on port {port}, which something else held for {PORT_WAIT_S} s")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(["bash", "-c", block.code], cwd=work, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _ours(port, proc):
                 return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+            time.sleep(0.5)
+        if proc.poll() is None:
+            break
+        output = log_path.read_text()
+        if "address already in use" not in output:
+            pytest.fail(f"{block.where} exited ({proc.returncode}):\n{output[-3000:]}")
     _stop(proc)
-    pytest.fail(f"{block.where}: no /health on port {port} within {SERVER_START_S} s")
+    pytest.fail(f"{block.where}: no /health of its own on port {port} within {PORT_WAIT_S + SERVER_START_S} s")
+
+
+def _ours(port: int, proc: subprocess.Popen) -> bool:
+    """``/health`` on ``port`` answers, from a process of ``proc``'s group."""
+    try:
+        response = HTTP.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        return response.status_code == 200 and os.getpgid(int(response.json()["pid"])) == proc.pid
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, ProcessLookupError, PermissionError):
+        return False
 
 
 def _stop(proc: subprocess.Popen) -> None:
