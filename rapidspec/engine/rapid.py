@@ -77,6 +77,8 @@ class Rapid:
     ``drafter_gguf``: ``auto`` (a fast-prefill copy of a Q4_1 file, :mod:`rapidspec.runtime.gguf_copy`) or ``as-is``.
     ``reuse_document_cache``: keep target caches in the prefix cache, and each
     drafter backend's last cache, for later prompts sharing a prefix.
+    ``kv_cache_gib``, ``kv_cache_dir``: the target's keys and values of long prompts on disk, for later processes
+    (:mod:`rapidspec.runtime.kv_store`; 0 = none; None = ``$RAPIDSPEC_KV_CACHE`` or ``<cache>/kv``).
     """
 
     def __init__(self, target, drafter=None, retrieval=None, template: PromptTemplate | None = None,
