@@ -62,12 +62,12 @@ def test_a_helper_thread_computes_alone_and_leaves_the_computing_thread_its_thre
 def helper_starts_no_openmp_threads() -> None:
     tasks = Path(f"/proc/{os.getpid()}/task")
 
-    def threads_started_by_work():
-        before = len(list(tasks.iterdir()))
+    def threads_started_by_work():  # the threads that are new after the work (others may end meanwhile)
+        before = {task.name for task in tasks.iterdir()}
         _parallel_work()
-        return len(list(tasks.iterdir())) - before
+        return len({task.name for task in tasks.iterdir()} - before)
 
-    assert _on_new_thread(helper_thread, threads_started_by_work) <= 0  # (another test's thread may end meanwhile)
+    assert _on_new_thread(helper_thread, threads_started_by_work) == 0
     # the same work on a thread that is not a helper starts a team of torch's threads (the test's control)
     assert _on_new_thread(None, threads_started_by_work) > 0
 
