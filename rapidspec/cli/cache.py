@@ -70,9 +70,9 @@ def models(root: Path) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     from rapidspec.runtime.cache_dir import remove_quietly
-    from rapidspec.runtime.kv_store import default_directory
+    from rapidspec.runtime.kv_store import directory
 
-    root = Path(args.kv_cache_dir).expanduser() if args.kv_cache_dir else default_directory()
+    root = directory(args.kv_cache_dir or None)
     held = models(root)
     if args.cache_command == "rm":
         chosen = [m for m in held if not args.keys or any(m["key"].startswith(k) for k in args.keys)]

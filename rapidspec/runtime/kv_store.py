@@ -24,7 +24,7 @@ every read), are removed.
 
 Layout: ``<folder>/<model key>/<block>.safetensors``, and ``model.json`` naming
 the model there (what ``rapidspec cache ls`` shows); ``<folder>`` is
-``$RAPIDSPEC_KV_CACHE`` if set, else ``<cache>/kv`` (:func:`default_directory`).
+``$RAPIDSPEC_KV_CACHE`` if set, else ``<cache>/kv`` (:func:`directory`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from rapidspec.runtime.cache import common_prefix_length
 from rapidspec.runtime.cache_dir import cache_root, cache_write, keep_json, remove_quietly
 from rapidspec.runtime.kv_blocks import (BLOCK_TOKENS, FORMAT, SUFFIX, block_name, block_tokens, model_key,
                                          prefix_hashes, read_block, save_block)
@@ -57,8 +58,10 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def default_directory() -> Path:
-    """``$RAPIDSPEC_KV_CACHE`` if set, else ``<cache>/kv`` (read on every call)."""
+def directory(folder: Path | str | None = None) -> Path:
+    """``folder`` when given, else ``$RAPIDSPEC_KV_CACHE`` if set, else ``<cache>/kv`` (read on every call)."""
+    if folder is not None:
+        return Path(folder).expanduser()
     if os.environ.get("RAPIDSPEC_KV_CACHE"):
         return Path(os.environ["RAPIDSPEC_KV_CACHE"]).expanduser()
     return cache_root() / "kv"
@@ -73,14 +76,14 @@ def for_model(loaded, max_bytes: int, folder: Path | str | None = None) -> DiskK
 
 
 class DiskKVStore:
-    """Blocks of one model's keys and values in ``folder`` (None: :func:`default_directory`), at most
+    """Blocks of one model's keys and values in ``folder`` (None: :func:`directory`'s default), at most
     ``max_bytes`` for all models; ``key`` is the model's :func:`~rapidspec.runtime.kv_blocks.model_key`."""
 
     def __init__(self, key: str, max_bytes: int, folder: Path | str | None = None, describe: dict | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"the key/value cache's bound must be >= 0, got {max_bytes} bytes")
         self.key, self.max_bytes, self.describe = key, int(max_bytes), describe or {}
-        self.root = Path(folder).expanduser() if folder is not None else default_directory()
+        self.root = directory(folder)
         self.folder = self.root / key
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapidspec-kv-write")
         self._pending, self._pending_lock = 0, threading.Lock()  # writes handed over and not done
@@ -129,7 +132,7 @@ class DiskKVStore:
         best, best_count = None, 0
         for path in self.folder.glob(f"{prefix}-*{SUFFIX}"):
             try:
-                count = _shared(block_tokens(path), wanted)
+                count = common_prefix_length(block_tokens(path), wanted)
             except Exception as err:  # noqa: BLE001 - whatever is wrong with the file, it is not loaded
                 self._drop(path, err)
                 continue
@@ -143,7 +146,7 @@ class DiskKVStore:
         except Exception as err:  # noqa: BLE001 - whatever is wrong with the file, it is not loaded
             self._drop(path, err)
             return None
-        count = _shared(ids, wanted)
+        count = common_prefix_length(ids, wanted)
         if not count:
             return None
         try:
@@ -220,7 +223,7 @@ class DiskKVStore:
                 tokens = block_tokens(sibling) if sibling != path else None
             except Exception:  # noqa: BLE001 - a bad file: the next read removes it
                 continue
-            if tokens is not None and len(tokens) < len(ids) and _shared(tokens, ids) == len(tokens):
+            if tokens is not None and len(tokens) < len(ids) and common_prefix_length(tokens, ids) == len(tokens):
                 remove_quietly(sibling)
 
     def flush(self) -> None:
@@ -240,16 +243,6 @@ class DiskKVStore:
             total -= size
             removed += 1
         return removed
-
-
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many first tokens ``a`` and ``b`` share."""
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 def list_files(root: Path) -> list[tuple[Path, int, float]]:
