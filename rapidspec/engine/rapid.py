@@ -244,8 +244,9 @@ class Rapid:
         ``prefill_progress(done, total)`` hears of each target prefill chunk (a progress bar);
         ``yield_prefill_chunks`` yields an empty chunk after each, its ``prefill`` saying how far it got (a caller
         interleaving generations; run them all inside ``torch.inference_mode()``, as the server's worker does). A
-        prefill stopped or closed early keeps what it read (the prefix cache and the disk) for the next request. ``config.time_limit_s``
-        ends the answer with stop reason ``time`` (a RapidspecError when the prefill alone takes longer).
+        prefill stopped or closed early keeps what it read (the prefix cache and the disk) for the next request.
+        ``config.time_limit_s`` ends the answer with stop reason ``time`` (a RapidspecError when the prefill alone
+        takes longer).
         """
         generation_started = time.perf_counter()
         config, eta_source = resolve(config, self.drafter_relation, self._eta_warnings)
