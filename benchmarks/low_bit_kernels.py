@@ -8,7 +8,9 @@ For each weight shape [out, in] and number of input rows, the median time
 ``aten::_weight_int8pack_mm`` (int8 weights, one scale per output channel)
 and ``aten::_weight_int4pack_mm_for_cpu`` (4-bit codes, a scale and zero
 point per group of 32 columns) with float32 inputs and with bfloat16 inputs
-(their scales in the same dtype). The default shapes are Qwen2.5-0.5B's fused
+(their scales in the same dtype); and where PyTorch has FBGEMM, int8 weights
+times int8 activations rounded per token (``rapidspec.runtime.dynamic_int8``,
+what rapidspec's int8 layers compute with). The default shapes are Qwen2.5-0.5B's fused
 gate/up projection, its down projection and its output layer. Prints a
 table, then one JSON object as the last line.
 """
@@ -24,6 +26,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 from torch.utils.benchmark import Timer
+
+from rapidspec.runtime import dynamic_int8
 
 GROUP = 32
 
@@ -48,6 +52,11 @@ def measure(out_features: int, in_features: int, rows: int) -> dict[str, float]:
         result[f"int8 {name}"] = median_ms("torch.ops.aten._weight_int8pack_mm(x, w, s)", x=x, w=int8, s=scales)
         result[f"int4 {name}"] = median_ms("torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, g, sz)",
                                            x=x, w=packed, g=GROUP, sz=scales_and_zeros)
+    if dynamic_int8.AVAILABLE:
+        scales = torch.rand(out_features, generator=generator) / 127
+        result["int8 x int8 per token"] = median_ms("product(x, p)", product=dynamic_int8.dynamic_int8_product,
+                                                    x=torch.randn(rows, in_features, generator=generator),
+                                                    p=dynamic_int8.pack_weight(int8, scales))
     return result
 
 

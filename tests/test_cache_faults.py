@@ -79,7 +79,7 @@ def seal(folder: Path, undo) -> None:
         return
     if not mount("--bind", str(folder), str(folder)):
         pytest.skip("cannot bind-mount a folder here (root ignores permission bits)")
-    undo.append(lambda: subprocess.run(["umount", str(folder)], capture_output=True))
+    undo.append(lambda: subprocess.run(["umount", "--lazy", str(folder)], capture_output=True))  # lazy: a model may still map its files
     assert mount("-o", "remount,bind,ro", str(folder))
 
 
@@ -88,7 +88,7 @@ def small_disk(folder: Path, undo) -> Path:
     folder.mkdir()
     if os.geteuid() != 0 or not mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)):
         pytest.skip("cannot mount a small tmpfs here (needs root and the right to mount)")
-    undo.append(lambda: subprocess.run(["umount", str(folder)], capture_output=True))
+    undo.append(lambda: subprocess.run(["umount", "--lazy", str(folder)], capture_output=True))  # lazy: a model may still map its files
     return folder
 
 

@@ -12,6 +12,7 @@ import torch
 
 from rapidspec import Rapid
 from rapidspec.drafting.calibration import (
+    COSTS_FORMAT,
     CostBook,
     DrafterCosts,
     TargetCosts,
@@ -115,7 +116,7 @@ def test_cost_book_measures_once_and_keeps_it_per_machine(tmp_path):
     again = CostBook(path)  # another engine, another process: read from the file
     assert again.get(DrafterCosts, "drafter x", measure) == DrafterCosts(0.02, 0.001) and len(calls) == 1
     content = json.loads(path.read_text())
-    assert content["format"] == 1 and len(content["machines"]) == 1
+    assert content["format"] == COSTS_FORMAT and len(content["machines"]) == 1
     (machine,) = content["machines"].values()
     (key,) = machine
     machine[key] = {"step": "nan?", "prefill_per_token": 1}  # a damaged entry is measured again

@@ -96,6 +96,14 @@ def test_a_gguf_target_computes_with_the_files_blocks(quantized_files, kind, lay
     assert (low_logits - float_logits).abs().max() < 0.05 * float_logits.abs().max()
 
 
+def test_int8_layers_round_their_inputs_except_the_down_projections(quantized_files):
+    low = load_model(str(quantized_files["Q8_0"]), dtype="float32", quantize="gguf")
+    layers = {name: m for name, m in low.model.named_modules() if isinstance(m, Int8Linear)}
+    assert len(layers) == 7 * len(low.model.model.layers) + 1  # q, k, v, o, gate, up, down; the output layer
+    assert {name for name, m in layers.items() if not m.round_activations} == {
+        f"model.layers.{i}.mlp.down_proj" for i in range(len(low.model.model.layers))}
+
+
 def test_auto_is_the_files_precision_on_cpu_and_none_for_other_models(quantized_files, tiny_model_dir):
     assert load_model(str(quantized_files["Q4_0"]), dtype="float32").quantization == "gguf"
     assert load_model(str(tiny_model_dir), dtype="float32").quantization == "none"
@@ -163,6 +171,7 @@ def test_the_layers_are_kept_beside_the_conversion_and_read_back(quantized_files
     for a, b in zip(first.model.modules(), second.model.modules()):
         if isinstance(a, (Int4Linear, Int8Linear)):
             assert type(a) is type(b) and torch.equal(a.dequantized(torch.float32), b.dequantized(torch.float32))
+            assert getattr(a, "round_activations", None) == getattr(b, "round_activations", None)
     ids = torch.tensor([[5, 17, 42]])
     assert torch.equal(first.model(input_ids=ids).logits, second.model(input_ids=ids).logits)
     kept[0].write_bytes(b"not a safetensors file")

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from rapidspec.runtime import dynamic_int8
+
 
 def _module(name: str):
     spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
@@ -52,6 +54,7 @@ def test_kernels_are_timed_per_input_dtype(capsys):
     assert kernels.main(["--shapes", "64x64", "--rows", "1,2"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [(r["out"], r["rows"]) for r in result["records"]] == [(64, 1), (64, 2)]
+    dynamic = {"int8 x int8 per token"} if dynamic_int8.AVAILABLE else set()
     assert set(result["records"][0]["ms"]) == {f"{kind} {dtype}" for kind in ("float", "int8", "int4")
-                                               for dtype in ("float32", "bfloat16")}
+                                               for dtype in ("float32", "bfloat16")} | dynamic
     assert kernels.main(["--shapes", "64x40"]) == 2

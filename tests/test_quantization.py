@@ -9,6 +9,7 @@ from torch import nn
 
 from rapidspec import Rapid, load_model, low_bit_copy
 from rapidspec.errors import RapidspecError
+from rapidspec.runtime import dynamic_int8
 from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.quantization import (
     INT4_GROUP,
@@ -61,7 +62,9 @@ def test_low_bit_linear_equals_the_dequantised_product(dtype, layer, in_features
     expected = F.linear(x.double(), dequantised, None if linear.bias is None else linear.bias.double())
     got = quantized(x)
     assert got.shape == (2, rows, 48) and got.dtype == dtype
-    kernel = rows <= KERNEL_MAX_ROWS and in_features % 32 == 0  # the kernels compute in bfloat16 (KERNEL_DTYPE)
+    # the kernels: int4 rounds its inputs to bfloat16 (KERNEL_DTYPE), int8 to 8 bits per row (dynamic_int8)
+    int8_dynamic = layer is Int8Linear and dynamic_int8.AVAILABLE
+    kernel = in_features % 32 == 0 and (rows <= KERNEL_MAX_ROWS or int8_dynamic)
     tolerance = 1e-5 if dtype == torch.float32 and not kernel else 3e-2
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
@@ -70,10 +73,10 @@ def test_low_bit_linear_equals_the_dequantised_product(dtype, layer, in_features
 def test_kernel_and_dequantised_paths_agree_row_by_row(layer):
     generator = torch.Generator().manual_seed(3)
     quantized = layer.from_linear(nn.Linear(2 * INT4_GROUP, 80))
-    x = torch.randn(KERNEL_MAX_ROWS + 4, 2 * INT4_GROUP, generator=generator)  # [rows, in]: dequantised path
-    whole = quantized(x)
+    x = torch.randn(KERNEL_MAX_ROWS + 4, 2 * INT4_GROUP, generator=generator)  # [rows, in]
+    whole = F.linear(x, quantized.dequantized(torch.float32), quantized.bias)  # the dequantised product
     by_row = torch.cat([quantized(x[i : i + 1]) for i in range(x.shape[0])])  # one row at a time: the kernel
-    # the same weights; the kernel rounds its inputs to bfloat16 (KERNEL_DTYPE), a wrong layout would be off by ~100%
+    # the same weights; the kernels round their inputs (to bfloat16 or 8 bits), a wrong layout would be off by ~100%
     torch.testing.assert_close(by_row, whole, rtol=0, atol=2e-2 * whole.abs().max().item())
 
 

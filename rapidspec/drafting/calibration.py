@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 COSTS_FILE_NAME = "step_costs.json"
 COSTS_FILE_ENV = "RAPIDSPEC_STEP_COSTS"
-COSTS_FORMAT = 1
+COSTS_FORMAT = 2  # 2: int8 layers multiply int8 activations (runtime.dynamic_int8); costs measured before are stale
 #: Each measured size is timed this many times; the median is kept.
 REPEATS = 3
 #: Tokens a fresh drafter cache prefills to measure its prefill rate (then it steps on them).

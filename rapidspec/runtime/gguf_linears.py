@@ -45,6 +45,7 @@ from rapidspec.runtime.quantization import (
     Int4Linear,
     Int8Linear,
     quantize_weight,
+    rounds_activations,
 )
 
 #: Input columns per group of a file's 4-bit layer: the block (Q4_0, Q4_1) or sub-block (Q4_K) size.
@@ -214,6 +215,8 @@ def replace_layers(model: nn.Module, layers: dict[str, nn.Module | None]) -> dic
             counts["float"] += 1
             continue
         parent, name = _module(model, path)
+        if isinstance(layer, Int8Linear):
+            layer.round_activations = rounds_activations(name)
         setattr(parent, name, layer)
         counts["int4" if isinstance(layer, Int4Linear) else "int8"] += 1
     return counts

@@ -78,6 +78,8 @@ def fuse_linears(modules: list[torch.nn.Module]) -> torch.nn.Module | None:
         return None
     if len({m.in_features for m in modules}) != 1 or len({m.bias is None for m in modules}) != 1:
         return None
+    if kind is Int8Linear and len({m.round_activations for m in modules}) != 1:
+        return None
     widths = [m.out_features for m in modules]
     bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
     if kind is torch.nn.Linear:
@@ -86,7 +88,7 @@ def fuse_linears(modules: list[torch.nn.Module]) -> torch.nn.Module | None:
         fused.weight = torch.nn.Parameter(weight, requires_grad=False)
     else:
         weight = torch.cat([m.weight_int8 for m in modules])  # [sum(out), in] int8
-        fused = Int8Linear(weight, torch.cat([m.scales for m in modules]), None)
+        fused = Int8Linear(weight, torch.cat([m.scales for m in modules]), None, modules[0].round_activations)
     if bias is not None:
         fused.bias = torch.nn.Parameter(bias, requires_grad=False)
     start = 0

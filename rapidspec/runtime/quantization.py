@@ -5,10 +5,14 @@ is bound by memory traffic: for Qwen2.5-0.5B in bfloat16 on 2 cores, the
 matrix products are about 80% of a step and the tied 151,936-token output
 layer alone ~14 ms of ~53 ms. Fewer bytes per weight make the step cheaper:
 
-* ``int8``: one float scale per output channel (symmetric). PyTorch's int8
-  weight-only kernel (``aten::_weight_int8pack_mm``, the one gpt-fast calls on
-  CPU) multiplies without materialising a dequantised copy. Measured here: a
-  0.5B step 52.9 -> 25.4 ms, a SmolLM2-135M step 25.2 -> 17.9 ms.
+* ``int8``: one float scale per output channel (symmetric). On x86 CPUs the
+  layer multiplies by PyTorch's dynamically quantised product, activations
+  rounded to 8 bits per token (:mod:`rapidspec.runtime.dynamic_int8`): a
+  verification of 7 tokens costs little more than one, and every row count
+  (prefill chunks too) takes it. Elsewhere PyTorch's int8 weight-only kernel
+  (``aten::_weight_int8pack_mm``, the one gpt-fast calls on CPU) takes up to
+  :data:`KERNEL_MAX_ROWS` rows (measured with it: a 0.5B step 52.9 -> 25.4 ms,
+  a SmolLM2-135M step 25.2 -> 17.9 ms).
 * ``int4``: a scale and a zero point per group of :data:`INT4_GROUP` input
   columns (asymmetric), multiplied by PyTorch's int4 CPU kernel
   (``aten::_weight_int4pack_mm_for_cpu``). Half the bytes of int8 again: the
@@ -38,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rapidspec.runtime import dynamic_int8
 from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.packed import PackedLinear, ProductSlice, SharedProduct
 
@@ -53,7 +58,7 @@ INT4_GROUP = 64
 #: The int4 CPU kernel needs the output width to be a multiple of this; a
 #: layer that does not fit (in or out width) stays int8.
 INT4_OUT_FEATURES_MULTIPLE = 16
-#: Rows (tokens) up to which the int8 and int4 kernels run; longer inputs (prefill
+#: Rows (tokens) up to which the int4 kernel and the int8 weight-only one run; longer inputs (prefill
 #: chunks) are compute-bound and go through a dequantised float product (on 2
 #: cores the int8 kernel was faster at 8 rows, the float product at 64).
 KERNEL_MAX_ROWS = 16
@@ -67,6 +72,21 @@ KERNEL_IN_FEATURES_MULTIPLE = 32
 #: against 29.4 ms; a float32 product 2.45 ms; benchmarks/low_bit_kernels.py). A float32 model's inputs
 #: are rounded to bfloat16 for the product and its output returned in float32.
 KERNEL_DTYPE = torch.bfloat16
+
+
+#: Layers whose inputs int8 layers never round to 8 bits: the MLP's down projection, whose input (the gated
+#: product) has outlier channels. Measured on Qwen2.5-Coder 0.5B over a 600-token document: its largest input
+#: was 37 times the median per token, and rounding it per token moved its output rows by 2.9% (median), against
+#: 1.1-1.5% for the output layer and the attention's output projection; greedy answers to 12 questions
+#: identical to the float copy's: 9 with the down projections on bfloat16 inputs, 7 without (10 with no
+#: activation rounding at all). The cost, in two interleaved runs at 8K tokens: plain steps 2-4% slower,
+#: verifications of 7 tokens from 4% faster to 7% slower (docs/speed.md).
+FLOAT_INPUT_LAYERS = ("down_proj",)
+
+
+def rounds_activations(name: str) -> bool:
+    """Whether the int8 layer at module path (or name) ``name`` rounds its inputs (:data:`FLOAT_INPUT_LAYERS`)."""
+    return name.rpartition(".")[2] not in FLOAT_INPUT_LAYERS
 
 
 def check_quantization(method: str) -> str:
@@ -111,11 +131,11 @@ class _LowBitLinear(nn.Module):
         raise NotImplementedError
 
     def _kernel_takes(self, rows: torch.Tensor) -> bool:
-        """Whether the CPU kernel can multiply ``rows`` [n, in] (n <= KERNEL_MAX_ROWS, on CPU)."""
+        """Whether the CPU kernel can multiply ``rows`` [n, in] (on CPU)."""
         raise NotImplementedError
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows @ W.T`` by the CPU kernel ([n, in] contiguous -> [n, out])."""
+        """``rows @ W.T`` by the CPU kernel ([n, in] contiguous, any float dtype -> [n, out])."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -123,8 +143,8 @@ class _LowBitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [n, in]
-        if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_MAX_ROWS and self._kernel_takes(rows):
-            out = self._kernel(rows.to(KERNEL_DTYPE).contiguous()).to(x.dtype)  # [n, out]
+        if rows.device.type == "cpu" and self._kernel_takes(rows):
+            out = self._kernel(rows.contiguous()).to(x.dtype)  # [n, out]
             if self.bias is not None:
                 out = out + self.bias
         else:
@@ -135,29 +155,52 @@ class _LowBitLinear(nn.Module):
 class Int8Linear(_LowBitLinear):
     """``nn.Linear`` with int8 weights and one scale per output channel: ``W = weight_int8 * scales[:, None]``.
 
-    The kernel is PyTorch's int8 weight-only product.
+    With ``round_activations`` (and FBGEMM) the kernel is PyTorch's
+    dynamically quantised product, activations rounded to 8 bits per token
+    (:mod:`rapidspec.runtime.dynamic_int8`); without, PyTorch's int8
+    weight-only product on bfloat16 inputs (:func:`rounds_activations` says
+    which layers keep their inputs).
     """
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: nn.Parameter | None) -> None:
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: nn.Parameter | None,
+                 round_activations: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
         self.register_buffer("weight_int8", weight_int8)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out], KERNEL_DTYPE
         self.bias = bias
+        self.round_activations = round_activations
+        self._packed: torch.ScriptObject | None = None  # the dynamic kernel's copy of the weights, made on first use
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, round_activations: bool = True) -> "Int8Linear":
         weight_int8, scales = quantize_weight(linear.weight)
-        return cls(weight_int8, scales, linear.bias)
+        return cls(weight_int8, scales, linear.bias, round_activations)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, round_activations={self.round_activations}"
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight_int8.to(dtype) * self.scales.to(dtype)[:, None]
 
     def _kernel_takes(self, rows: torch.Tensor) -> bool:
-        return self.scales.dtype == KERNEL_DTYPE and self.in_features % KERNEL_IN_FEATURES_MULTIPLE == 0
+        if self.in_features % KERNEL_IN_FEATURES_MULTIPLE:
+            return False
+        return self._dynamic() or (rows.shape[0] <= KERNEL_MAX_ROWS and self.scales.dtype == KERNEL_DTYPE)
+
+    def _dynamic(self) -> bool:
+        return dynamic_int8.AVAILABLE and self.round_activations
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        if self._dynamic():
+            if self._packed is None:
+                self._packed = dynamic_int8.pack_weight(self.weight_int8, self.scales)
+            return dynamic_int8.dynamic_int8_product(rows, self._packed)
+        return torch.ops.aten._weight_int8pack_mm(rows.to(KERNEL_DTYPE), self.weight_int8, self.scales)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        return {**state, "_packed": None}  # the kernel's packed copy is rebuilt from the buffers on first use
 
 
 def quantize_weight_int4(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -227,10 +270,10 @@ class Int4Linear(_LowBitLinear):
         return weight.reshape(self.out_features, self.in_features)
 
     def _kernel_takes(self, rows: torch.Tensor) -> bool:
-        return self.kernel_weight is not None and self.scales_and_zeros.dtype == KERNEL_DTYPE
+        return rows.shape[0] <= KERNEL_MAX_ROWS and self.kernel_weight is not None and self.scales_and_zeros.dtype == KERNEL_DTYPE
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.kernel_weight, self.group, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(KERNEL_DTYPE), self.kernel_weight, self.group, self.scales_and_zeros)
 
 
 def quantize_linears(model: nn.Module, method: str = "int8") -> int:
@@ -251,8 +294,10 @@ def quantize_linears(model: nn.Module, method: str = "int8") -> int:
             continue  # a slice is quantised as a whole: its rows of the shared weight
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.Linear or isinstance(child, (PackedLinear, ProductSlice)):
-                layer = Int4Linear if method == "int4" and int4_fits(child) else Int8Linear
-                setattr(parent, child_name, layer.from_linear(child))
+                if method == "int4" and int4_fits(child):
+                    setattr(parent, child_name, Int4Linear.from_linear(child))
+                else:
+                    setattr(parent, child_name, Int8Linear.from_linear(child, rounds_activations(child_name)))
                 replaced += 1
     return replaced
 
