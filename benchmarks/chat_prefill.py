@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target, drafter = load_models(args)
     retrieval = RetrievalConfig(method="bm25")
-    cached = Rapid(target, drafter, retrieval=retrieval)
-    uncached = Rapid(target, retrieval=retrieval, reuse_document_cache=False)
+    cached = Rapid(target, drafter, retrieval=retrieval, kv_cache_gib=0)  # timed prefills: none read from disk
+    uncached = Rapid(target, retrieval=retrieval, reuse_document_cache=False, kv_cache_gib=0)
     config = DecodeConfig(mode=args.mode, max_new_tokens=args.max_new_tokens, truncate="error")
     conversation = sample["conversation"]
     messages = [{"role": "system", "content": f"A conversation between {conversation.get('speaker_a')} (the user) "

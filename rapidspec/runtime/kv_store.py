@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 
-from rapidspec.runtime import dynamic_int8
 from rapidspec.runtime.cache import common_prefix_length
 from rapidspec.runtime.cache_dir import cache_root, cache_write, keep_json, remove_quietly
 from rapidspec.runtime.kv_blocks import (BLOCK_TOKENS, FORMAT, SUFFIX, block_name, block_tokens, model_key,
                                          prefix_hashes, read_block, save_block)
 from rapidspec.runtime.protocol import KVCacheProtocol
+from rapidspec.runtime.quantization import int8_numerics
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def for_model(loaded, max_bytes: int, folder: Path | str | None = None) -> DiskK
     """The store of ``loaded`` (a :class:`~rapidspec.models.LoadedModel`: its model, name, source, dtype, runtime,
     quantisation and device name what its keys and values are computed with)."""
     describe = {what: str(getattr(loaded, what, None)) for what in ("name", "source", "dtype", "runtime", "quantization")}
-    describe.update(device=loaded.model.device.type, block=BLOCK_TOKENS, format=FORMAT, int8=dynamic_int8.kernel_name())
+    describe.update(device=loaded.model.device.type, block=BLOCK_TOKENS, format=FORMAT, int8=int8_numerics())
     return DiskKVStore(model_key(loaded.model, describe), max_bytes, folder, describe)
 
 

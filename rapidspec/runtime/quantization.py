@@ -89,6 +89,11 @@ def rounds_activations(name: str) -> bool:
     return name.rpartition(".")[2] not in FLOAT_INPUT_LAYERS
 
 
+def int8_numerics() -> str:
+    """What int8 layers compute with on this machine, in words (part of the name of kept keys and values)."""
+    return f"{dynamic_int8.kernel_name()}; bfloat16 inputs for {', '.join(FLOAT_INPUT_LAYERS)}"
+
+
 def check_quantization(method: str) -> str:
     """Validate a ``quantize`` option (:data:`TARGET_QUANTIZATIONS`); returns it (:class:`QuantizationError` if unknown)."""
     if method not in TARGET_QUANTIZATIONS:

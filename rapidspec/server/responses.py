@@ -17,8 +17,9 @@ import codecs
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from rapidspec.grammar.tools import ToolTextFilter, parse_tool_calls
 from rapidspec.outputs import GenerationOutput, token_kinds
@@ -190,3 +191,30 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent ``events`` whose end is always handled: ``unsent()`` runs when the client left before the
+    first event was asked for, so the events' generator never ran and its own ``finally`` (cancel the job,
+    count the request) could not. A generator that did run is closed when the response ends, at once, not
+    whenever it is collected."""
+
+    def __init__(self, events: AsyncIterator[str], unsent: Callable[[], None]) -> None:
+        self._events, self._unsent, self._began = events, unsent, False
+        super().__init__(self._tracked(), media_type="text/event-stream")
+
+    async def _tracked(self) -> AsyncIterator[str]:
+        self._began = True
+        try:
+            async for event in self._events:
+                yield event
+        finally:
+            await self._events.aclose()
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            if not self._began:
+                self._unsent()

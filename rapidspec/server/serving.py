@@ -20,14 +20,14 @@ import logging
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from rapidspec.conversation import parse_documents, parse_messages
 from rapidspec.errors import RapidspecError
 from rapidspec.grammar.tools import with_tool_grammar
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.server.errors import failure
-from rapidspec.server.responses import FINISH_REASONS, PrefillProgress, Reply, error_response, sse
+from rapidspec.server.responses import FINISH_REASONS, EventStream, PrefillProgress, Reply, error_response, sse
 from rapidspec.server.schemas import GenerationRequest
 from rapidspec.server.state import ServerState
 from rapidspec.server.worker import Job
@@ -112,7 +112,7 @@ class GenerationServing:
         if kind == "end":
             return self._shutting_down()
         if body.stream:
-            return StreamingResponse(self._stream_events(job, request, reply, arrived), media_type="text/event-stream")
+            return EventStream(self._stream_events(job, request, reply, arrived), lambda: self._left(job))
         return await self._complete(job, request, reply, arrived)
 
     async def _prepare(self, job: Job, request: Request, prepare):
@@ -159,6 +159,11 @@ class GenerationServing:
         self._record_finish(job, output, arrived)
         # built and rendered off the event loop (thousands of log-probabilities), as plain json.dumps
         return await asyncio.to_thread(lambda: JSONResponse(reply.complete(output)))
+
+    def _left(self, job: Job) -> None:
+        """The client left before its stream sent anything: stop the job and count the request."""
+        job.cancel()
+        self.state.metrics.failed("cancelled")
 
     def _shutting_down(self) -> JSONResponse:
         self.state.metrics.failed("cancelled")
