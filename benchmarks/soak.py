@@ -197,6 +197,15 @@ def server_counters(url: str) -> dict[str, float]:
     return counters
 
 
+def count_verdict(sent: int, counters: dict[str, float]) -> tuple[str, bool, str]:
+    """Whether the server's counters (:func:`server_counters`) account for every request the clients sent:
+    each one finishes (success, by reason) or fails (failure, by reason) exactly once."""
+    counted = sum(counters.values())
+    by_kind = ", ".join(f"{name.split('{')[1].rstrip('}')} {value:g}" for name, value in sorted(counters.items()) if value)
+    return ("the server counted every request once", counted == sent,
+            f"{counted:g} counted of {sent} sent ({by_kind or 'none'})")
+
+
 def percentile(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
@@ -235,6 +244,7 @@ def summarise(outcomes: list[Outcome], samples: list[dict], marks: dict, extra: 
         ("nothing lost", not lost, f"{len(lost)} of {len(outcomes)} requests without an answer"),
         ("every answer well-formed", not malformed, f"{len(malformed)} not"),
         ("SIGTERM: exit code 0", extra["server_exit_code"] == 0, f"exit code {extra['server_exit_code']}"),
+        count_verdict(len(outcomes), extra["server_counters"]),
     ]
     return figures, verdicts, (lost, server_errors, malformed)
 

@@ -66,6 +66,8 @@ class GenerationStats:
     plain_rounds: int = 0  # rounds that drafted nothing
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    lookup_drafted_tokens: int = 0  # drafted by prompt lookup over the target's text before the drafter joined
+    lookup_accepted_tokens: int = 0  # of those, kept
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     stop_reason: str = ""

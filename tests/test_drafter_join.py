@@ -125,6 +125,21 @@ def test_cost_book_measures_once_and_keeps_it_per_machine(tmp_path):
     assert CostBook(path).get(float, "embedder y", lambda: 3e-5) == 3e-5
 
 
+def test_calibrate_measures_the_drafter_once_before_any_generation(tiny_model, other_tiny_model, tmp_path):
+    from rapidspec.config import DecodeConfig
+
+    engine = Rapid(tiny_model, other_tiny_model, drafter_backend="torch", kv_cache_gib=0)
+    engine.costs = CostBook(tmp_path / "costs.json")
+    engine.calibrate(DecodeConfig(mode="lc"))  # no drafter in lc: nothing measured
+    assert not (tmp_path / "costs.json").exists()
+    engine.calibrate(DecodeConfig(mode="rapid", drafter_backend="torch"))
+    (kept,) = json.loads((tmp_path / "costs.json").read_text())["machines"].values()
+    assert [key.split()[0] for key in kept] == ["drafter"]
+    before = (tmp_path / "costs.json").read_text()
+    engine.calibrate(DecodeConfig(mode="rapid", drafter_backend="torch"))  # kept: not measured again
+    assert (tmp_path / "costs.json").read_text() == before
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_cache_keeps_costs_in_memory_with_one_warning(tmp_path, caplog):
     folder = tmp_path / "ro"
@@ -183,10 +198,30 @@ def test_the_prefill_runs_in_pieces_of_about_one_plain_step(tiny_model):
     """200 retrieved tokens and more, 16 a piece (a plain step's worth): the drafter joins after that many rounds."""
     costs = StaticCosts(drafter=DrafterCosts(0.001, 0.1 / MIN_PIECE_TOKENS))  # 16 tokens cost one plain step
     rapid = engine(tiny_model, costs, reuse_document_cache=False)
-    stats = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=200, ignore_eos=True).stats
+    drafter_present = []  # per round: whether the drafter had joined (its cache given to the observer)
+    stats = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=200, ignore_eos=True,
+                           observer=lambda cache, seq, drafter_cache, drafter_seq: drafter_present.append(
+                               drafter_cache is not None)).stats
     pieces = -(-(stats.prompt_tokens_drafter - 1) // MIN_PIECE_TOKENS)
-    # round 1 emits the first token, then each round boundary runs one piece: the last one after token `pieces`
-    assert stats.drafter_joined_at == pieces
+    # round 1 emits the first token, then each round boundary runs one piece: the drafter drafts the round after
+    # the last one (rounds before it draft by prompt lookup and may emit several tokens each)
+    assert drafter_present.index(True) == pieces and stats.drafter_joined_at >= pieces
+
+
+@pytest.mark.parametrize("eta", [0.0, 5.0])
+def test_until_the_drafter_joins_rounds_draft_by_lookup_and_answer_as_lc(tiny_model, eta):
+    """A drafter that never pays: rounds after the first draft by prompt lookup over the target's own text, verified
+    with eta = 0 (p, as plain steps), so the greedy answer is lc's whatever eta; the model drafter's counts stay 0."""
+    dear = StaticCosts(drafter=DrafterCosts(0.01, 0.01))
+    rapid = engine(tiny_model, dear)
+    lc = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=60, ignore_eos=True)
+    out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", eta=eta, max_new_tokens=60, ignore_eos=True)
+    assert out.token_ids == lc.token_ids
+    assert out.stats.lookup_drafted_tokens > 0 and out.stats.lookup_accepted_tokens > 0  # the tiny model repeats
+    assert out.stats.drafter_joined_at is None and out.stats.drafted_tokens == 0 and out.stats.rounds == 0
+    first = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=60, ignore_eos=True, drafter_start="first")
+    assert first.stats.lookup_drafted_tokens == 0 and first.stats.drafted_tokens > 0  # the drafter from round 1
+    assert lc.stats.lookup_drafted_tokens == 0  # no drafter in lc: no lookup either
 
 
 def test_a_drafter_that_will_not_pay_is_never_prefilled(tiny_model):

@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     with console.status("loading the models"):
         engine = load_engine(args)  # lc's prefill is stored in the prefix cache and rapid's starts from it
         engine.retriever.warm_up()  # loading the embedder is model loading, not a request's retrieval
+    with console.status("measuring the drafter's step costs (once per machine)"):
+        engine.calibrate(rapid_config)  # what rapid's first answer would otherwise spend (seconds on a new machine)
     kwargs = {} if args.document_tokens is None else {"target_tokens": args.document_tokens}
     item = demo_document(tokenizer=engine.tokenizer, **kwargs)
     asked = []

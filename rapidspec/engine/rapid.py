@@ -39,6 +39,7 @@ from rapidspec.drafting.eta_default import EtaWarnings
 from rapidspec.drafting.factory import DrafterFactory, drop_started
 from rapidspec.drafting.gamma_schedule import GammaSchedule
 from rapidspec.drafting.join import AcceptanceMemory, DrafterJoin
+from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.errors import RapidspecError
 from rapidspec.engine.defaults import resolve
 from rapidspec.engine.rounds import Rounds, run_rounds, sync as device_sync
@@ -158,6 +159,14 @@ class Rapid:
         return self.drafting.relation
 
     # ------------------------------------------------------------------ API
+    def calibrate(self, config: DecodeConfig | None = None) -> None:
+        """Load ``config``'s drafter and measure its step and prefill costs now where this machine has none kept
+        (:mod:`rapidspec.drafting.calibration`), so that the first generation does not spend that time. Nothing
+        to do for modes without a model drafter."""
+        config = config or DecodeConfig()
+        if self.drafting.drafter_kind(config) == "model":
+            self._costs.drafter(config)
+
     def generate(self, document: str, question: str, **options) -> GenerationOutput:
         """Generate an answer; same options as :meth:`stream`."""
         return last_output(self.stream(document, question, **options))
@@ -292,9 +301,13 @@ class Rapid:
             # 2-5 decode
             # (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
+            lookup = None  # until a model drafter joins, rounds draft by prompt lookup over the target's text
+            if self.drafting.drafter_kind(config) == "model" and config.drafter_start != "first":
+                lookup = LookupDrafter(list(target_seq), self.vocab_size, target_device)
             run = Rounds(generation_started, config, sampling.SamplingParams.of(config), stats, generator, target_cache,
                          target_seq, None, None, stop_tokens, profile,
-                         self.vocab_size, out_of_time, grammar, join=join, fixed_schedule=schedule, penalties=penalties)
+                         self.vocab_size, out_of_time, grammar, join=join, fixed_schedule=schedule, penalties=penalties,
+                         lookup=lookup)
             try:
                 if config.drafter_start == "first":
                     run.prepare_drafter_now()

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from rapidspec import sampling
 from rapidspec.config import DecodeConfig
 from rapidspec.drafting import NO_PROPOSAL
-from rapidspec.drafting.gamma_schedule import GammaSchedule, new_schedule
+from rapidspec.drafting.gamma_schedule import CostSchedule, GammaSchedule, StepCosts, new_schedule
 from rapidspec.grammar import apply_mask
 from rapidspec.logprobs import round_logprobs
 from rapidspec.outputs import GenerationOutput, StreamChunk
@@ -55,6 +55,23 @@ class Rounds:
     penalties: object | None = None  # a rapidspec.penalties.Penalties when the config asks for any
     prepare_seconds: float = 0.0  # time between rounds spent preparing the drafter (retrieval, prefill, calibration)
     logprobs: list = field(default_factory=list)
+    lookup: object | None = None  # a LookupDrafter over the target's sequence, drafting until the drafter joins
+    lookup_schedule: GammaSchedule | None = None  # its schedule, made once the target's step costs are known
+
+    def drafting_now(self) -> tuple[object | None, GammaSchedule | None, sampling.SamplingParams]:
+        """Who drafts the next round, its schedule and the parameters its drafts are verified with: the drafter
+        once it joined; before, prompt lookup over the target's own sequence once the target's step costs are
+        known (with eta = 0: each token follows the target's p, as a plain step's does, so the answer is what
+        plain rounds would give, sooner where the text repeats); else no one (a plain step)."""
+        if self.drafter is not None:
+            return self.drafter, self.schedule, self.params
+        costs = None if self.join is None else self.join.step_costs
+        if self.lookup is None or costs is None:
+            return None, None, self.params
+        if self.lookup_schedule is None:
+            free = StepCosts(0.0, costs.verify_base, costs.verify_per_token)  # a lookup costs next to nothing
+            self.lookup_schedule = CostSchedule(self.config.gamma, self.config.max_gamma, 0.0, free)
+        return self.lookup, self.lookup_schedule, replace(self.params, eta=0.0)
 
     def prepare_drafter(self, prompt_length: int) -> None:
         """One bounded piece of the drafter's preparation after a round (:meth:`~rapidspec.drafting.join.DrafterJoin.between_rounds`);
@@ -92,27 +109,32 @@ class Rounds:
         if self.sync and self.drafter is not None:
             sync(self.drafter.device)
 
-    def record_round(self, drafted: int, accepted: int, proposal, asked_bonus: bool, times: tuple,
-                     fed: int) -> RoundRecord:
-        """The round as measured (the bonus row's time is drafting time), counted in the statistics and the gamma
-        schedule when the generation drafts (without a drafter every round is a plain step, counted nowhere)."""
+    def record_round(self, drafter, schedule, drafted: int, accepted: int, proposal, asked_bonus: bool,
+                     times: tuple, fed: int) -> RoundRecord:
+        """The round as measured (the bonus row's time is drafting time), counted in the statistics and in the
+        schedule of whoever drafted it (without one every round is a plain step, counted nowhere; lookup rounds
+        before the drafter joined count apart, as ``lookup_drafted_tokens`` and ``lookup_accepted_tokens``)."""
         t0, t1, t2 = times
-        if self.drafter is None:
+        if drafter is None:
             return RoundRecord(0, 0, 0.0, 0, t2 - t1, time.perf_counter() - t2, fed)
         if self.sync:
             sync(self.target_cache.device)
-        bonus = self.drafter.bonus_seconds if asked_bonus else 0.0
+        bonus = drafter.bonus_seconds if asked_bonus else 0.0
         measured = RoundRecord(drafted, accepted, t1 - t0 + bonus, proposal.forwards + int(asked_bonus), t2 - t1,
                                time.perf_counter() - t2 - bonus, fed, proposal.caught_up)
-        self.stats.add_round(measured)
-        self.schedule.record(measured)
+        if drafter is self.drafter:
+            self.stats.add_round(measured)
+        else:
+            self.stats.lookup_drafted_tokens += drafted
+            self.stats.lookup_accepted_tokens += accepted
+        schedule.record(measured)
         return measured
 
-    def logprobs_of(self, target_logits, draft_rows, bonus_row, emitted: list[int]) -> tuple:
+    def logprobs_of(self, target_logits, draft_rows, bonus_row, emitted: list[int], params) -> tuple:
         """The log-probabilities of a round's emitted tokens when the config asks for them, kept for the output."""
         if self.config.logprobs is None or not emitted:
             return ()
-        out = round_logprobs(target_logits, draft_rows, bonus_row, emitted, self.params, self.config.logprobs,
+        out = round_logprobs(target_logits, draft_rows, bonus_row, emitted, params, self.config.logprobs,
                              self.vocab)
         self.logprobs.extend(out)
         return out
@@ -133,12 +155,13 @@ def run_rounds(run: Rounds, prompts, tokenizer, observer=None) -> Iterator[Strea
         if len(seq) > prompt_length:  # the drafter's preparation: one bounded piece between two rounds
             run.prepare_drafter(prompt_length)
         drafter = run.drafter
+        active, schedule, params = run.drafting_now()  # the drafter, or lookup until it joins, or no one
         # 2 draft
         t0 = time.perf_counter()
-        requested = 0 if drafter is None else run.schedule.next_drafts()
+        requested = 0 if active is None else schedule.next_drafts()
         k = min(requested, remaining - 1)
-        proposal = (NO_PROPOSAL if drafter is None
-                    else drafter.propose(k, config, run.generator, run.stop_tokens, run.grammar, run.penalties))
+        proposal = (NO_PROPOSAL if active is None
+                    else active.propose(k, config, run.generator, run.stop_tokens, run.grammar, run.penalties))
         run.wait_for_drafter()
         # 3 verify: one target forward over [pending, x_1..x_k] (a grammar masks each row as it masked the drafts)
         t1 = time.perf_counter()
@@ -152,15 +175,16 @@ def run_rounds(run: Rounds, prompts, tokenizer, observer=None) -> Iterator[Strea
             sync(cache.device)
         # 4 accept; with eta > 0 and every draft accepted, p^ at k + 1 needs the drafter's row there
         t2 = time.perf_counter()
-        verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, run.params, run.generator)
+        verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, params, run.generator)
         # a schedule asking for 0 drafts asks for a plain step: the token follows p (no drafter forward)
         bonus_row, asked = None, verdict.next_token is None and requested > 0
         if verdict.next_token is None:
-            bonus_row = (drafter.bonus_row(config, run.stop_tokens, run.sync, run.grammar, run.penalties) if asked
+            bonus_row = (active.bonus_row(config, run.stop_tokens, run.sync, run.grammar, run.penalties) if asked
                          else None)
-            next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, run.params, run.generator)
+            next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, params, run.generator)
             verdict = sampling.Verdict(verdict.accepted, next_token)
-        measured = run.record_round(len(proposal.tokens), verdict.accepted, proposal, asked, (t0, t1, t2), len(fed))
+        measured = run.record_round(active, schedule, len(proposal.tokens), verdict.accepted, proposal, asked,
+                                    (t0, t1, t2), len(fed))
         # 5 commit: stop at EOS, a stop string, a complete grammar and max_new_tokens, then roll back the caches
         emitted, finished = cut_answer(proposal.tokens[: verdict.accepted] + [verdict.next_token], remaining,
                                        run.stop_tokens)
@@ -176,11 +200,13 @@ def run_rounds(run: Rounds, prompts, tokenizer, observer=None) -> Iterator[Strea
             finished = "time"
         if finished and not stopped:
             text += assembler.flush()
-        logprobs = run.logprobs_of(target_logits, proposal.rows, bonus_row, emitted)
+        logprobs = run.logprobs_of(target_logits, proposal.rows, bonus_row, emitted, params)
         seq.extend(emitted)
         cache.crop(min(cache.length, len(seq) - 1))
         if drafter is not None:
             drafter.commit(emitted)
+        elif run.lookup is not None:
+            run.lookup.commit(emitted)
         if observer is not None:
             observer(cache, seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
         if emitted and not stats.time_to_first_token:
