@@ -75,5 +75,6 @@ def dynamic_int8_product(rows: torch.Tensor, packed: torch.ScriptObject) -> torc
     magnitudes = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # [n, 1]
     pin = rows.new_zeros(1, rows.shape[1])  # [1, in]: fixes the call's range to [-1, 1]
     pin[0, 0], pin[0, 1] = 1.0, -1.0
-    out = torch.ops.quantized.linear_dynamic(torch.cat([rows / magnitudes, pin]), packed, reduce_range())  # [n + 1, out]
+    pinned = torch.cat([rows / magnitudes, pin])  # [n + 1, in], every entry in [-1, 1]
+    out = torch.ops.quantized.linear_dynamic(pinned, packed, reduce_range())  # [n + 1, out]
     return out[:-1] * magnitudes

@@ -80,7 +80,7 @@ KERNEL_DTYPE = torch.bfloat16
 #: 1.1-1.5% for the output layer and the attention's output projection; greedy answers to 12 questions
 #: identical to the float copy's: 9 with the down projections on bfloat16 inputs, 7 without (10 with no
 #: activation rounding at all). The cost, in two interleaved runs at 8K tokens: plain steps 2-4% slower,
-#: verifications of 7 tokens from 4% faster to 7% slower (docs/speed.md).
+#: verifications of 7 tokens from 4% faster to 7% slower (one process timing both, not a kept benchmark).
 FLOAT_INPUT_LAYERS = ("down_proj",)
 
 
@@ -275,10 +275,12 @@ class Int4Linear(_LowBitLinear):
         return weight.reshape(self.out_features, self.in_features)
 
     def _kernel_takes(self, rows: torch.Tensor) -> bool:
-        return rows.shape[0] <= KERNEL_MAX_ROWS and self.kernel_weight is not None and self.scales_and_zeros.dtype == KERNEL_DTYPE
+        fits = self.kernel_weight is not None and self.scales_and_zeros.dtype == KERNEL_DTYPE
+        return fits and rows.shape[0] <= KERNEL_MAX_ROWS
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(KERNEL_DTYPE), self.kernel_weight, self.group, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(KERNEL_DTYPE), self.kernel_weight, self.group,
+                                                          self.scales_and_zeros)
 
 
 def quantize_linears(model: nn.Module, method: str = "int8") -> int:
