@@ -108,14 +108,14 @@ def join_note(rapid) -> str:
     """One line on when rapid's drafter joined the answer (rapidspec.drafting.join), from its statistics."""
     if rapid.drafter_error:
         return f"rapid answered without its drafter: {rapid.drafter_error}"
-    lookup = (f"; before it, rounds drafted by prompt lookup over the target's text, {rapid.lookup_accepted_tokens} "
-              f"of {rapid.lookup_drafted_tokens} drafts kept (each token the target's)" if rapid.lookup_drafted_tokens
-              else "")
+    lookup = (f"rounds drafted by prompt lookup over the target's text, {rapid.lookup_accepted_tokens} of "
+              f"{rapid.lookup_drafted_tokens} drafts kept (each token the target's)")
     if rapid.drafter_joined_at is None:
         return (f"rapid's first token came from the target ({rapid.time_to_first_token:.2f} s) and its drafter never "
                 f"joined: by this machine's measured step costs, retrieval and the drafter's prefill would not have "
                 f"paid for themselves within this {rapid.new_tokens}-token answer"
-                + (lookup.replace("; before it, rounds", "; its rounds") if lookup else ", so it answered as lc does"))
+                + (f"; its {lookup}" if rapid.lookup_drafted_tokens else ", so it answered as lc does"))
     return (f"rapid's first token came from the target ({rapid.time_to_first_token:.2f} s); retrieval "
             f"({rapid.retrieval_seconds:.2f} s) and the drafter's prefill ({rapid.drafter_prefill_seconds:.2f} s) ran "
-            f"between the next rounds and the drafter joined after {rapid.drafter_joined_at} tokens{lookup}")
+            f"between the next rounds and the drafter joined after {rapid.drafter_joined_at} tokens"
+            + (f"; before it, {lookup}" if rapid.lookup_drafted_tokens else ""))
