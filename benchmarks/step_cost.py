@@ -23,6 +23,13 @@ the machine's memory bandwidth. This script measures, in one process:
     python benchmarks/step_cost.py --dtype float32 --quantize gguf --drafter-quantize none --runtimes lean --lengths 8192
     python benchmarks/step_cost.py --target builtin:qwen2.5-coder-1.5b \\
         --drafter builtin:qwen2.5-coder-0.5b --drafter-quantize int4 --lengths 16384
+    python benchmarks/step_cost.py --target DIR --device cuda --quantize none --drafter-quantize none \\
+        --lengths 32768 --profile
+
+On a GPU every timed forward ends with a synchronisation, the bandwidth is
+that of summing a buffer in the device's memory, and ``--profile`` prints the
+operators of one plain step per runtime (torch.profiler), which tells a step
+bound by kernel launches and Python from one bound by memory.
 
 Token ids are random (a step's cost does not depend on which tokens); the
 target and drafter share nothing but their weights' storage where a
@@ -51,27 +58,39 @@ from rapidspec.runtime.quantization import TARGET_QUANTIZATIONS, Int4Linear, Int
 RUNTIMES = ("lean", "transformers")
 
 
-def read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
-    """Bytes per second of summing a float32 buffer (filled, so pages are real), median of ``repeats``."""
-    buffer = torch.rand(megabytes * 2**20 // 4)
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so that a wall-clock time covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 7, device: torch.device = torch.device("cpu")) -> float:
+    """Bytes per second of summing a float32 buffer on ``device`` (filled, so pages are real), median of ``repeats``."""
+    buffer = torch.rand(megabytes * 2**20 // 4, device=device)
+    buffer.sum()  # warm-up
     times = []
     for _ in range(repeats):
+        synchronize(device)
         started = time.perf_counter()
         buffer.sum()
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return buffer.nbytes / statistics.median(times)
 
 
-def matmul_flops(dtype: torch.dtype, repeats: int = 5) -> float:
-    """Floating-point operations per second of a [512, 4096] x [4096, 4096] product in ``dtype``, median of ``repeats``."""
+def matmul_flops(dtype: torch.dtype, repeats: int = 5, device: torch.device = torch.device("cpu")) -> float:
+    """Floating-point operations per second of a [512, 4096] x [4096, 4096] product in ``dtype`` on ``device``,
+    median of ``repeats``."""
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(512, 4096, generator=generator).to(dtype)
-    b = torch.randn(4096, 4096, generator=generator).to(dtype)
+    a = torch.randn(512, 4096, generator=generator).to(device, dtype)
+    b = torch.randn(4096, 4096, generator=generator).to(device, dtype)
     a @ b  # warm-up
     times = []
     for _ in range(repeats):
+        synchronize(device)
         started = time.perf_counter()
         a @ b
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return 2 * 512 * 4096 * 4096 / statistics.median(times)
 
@@ -121,8 +140,10 @@ def cache_bytes(model: torch.nn.Module, length: int) -> int:
 def timed_step(cache, tokens: list[int]) -> float:
     """Seconds of forwarding ``tokens`` (all logits kept), then rolling the cache back."""
     length = cache.length
+    synchronize(cache.device)
     started = time.perf_counter()
     cache.forward(tokens, num_logits=len(tokens))
+    synchronize(cache.device)
     seconds = time.perf_counter() - started
     cache.crop(length)
     return seconds
@@ -147,15 +168,17 @@ def prefilled(models: dict, ids: list[int], chunk: int) -> tuple[dict, dict]:
         caches[runtime] = new_kv_cache(loaded, chunk)
         started = time.perf_counter()
         caches[runtime].prefill(ids)
+        synchronize(caches[runtime].device)
         seconds[runtime] = time.perf_counter() - started
     return caches, seconds
 
 
 def load_pair(args, runtime: str):
     """Target and drafter loaded for ``runtime`` (each runtime gets its own load: the lean one packs weights)."""
-    target = load_model(args.target, dtype=args.dtype, quantize=args.quantize, runtime=runtime)
+    target = load_model(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize, runtime=runtime)
     if args.drafter is not None:
-        return target, load_model(args.drafter, dtype=args.dtype, quantize=args.drafter_quantize, runtime=runtime)
+        return target, load_model(args.drafter, dtype=args.dtype, device=args.device, quantize=args.drafter_quantize,
+                                  runtime=runtime)
     if args.drafter_quantize != "none":
         return target, low_bit_copy(target, args.drafter_quantize)
     return target, target
@@ -191,8 +214,28 @@ def measure(args, pairs: dict, bandwidth: float, flops: float, console: Console)
                 "drafter_tokens": args.drafter_tokens, "drafter_ms": 1e3 * drafter_step[runtime],
                 "drafter_roofline_ms": 1e3 * drafter_bytes / bandwidth,
             })
+        if args.profile and length == args.lengths[-1]:
+            for runtime, cache in caches.items():
+                profile_step(cache, ids[length - 1 : length], f"{runtime}, one plain step after {length - 1} tokens")
         del caches
     return rows
+
+
+def profile_step(cache, tokens: list[int], title: str, row_limit: int = 15) -> None:
+    """Print the operators of one forward of ``tokens`` (torch.profiler, with the device's kernels on a GPU),
+    sorted by their own host time, then by device time where there is a device."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cache.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    timed_step(cache, tokens)  # warm
+    with torch.profiler.profile(activities=activities) as run:
+        timed_step(cache, tokens)
+    averages = run.key_averages()
+    print(f"{title}: host time by operator", file=sys.stderr)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=row_limit), file=sys.stderr)
+    if cache.device.type == "cuda":
+        print(f"{title}: device time by operator", file=sys.stderr)
+        print(averages.table(sort_by="self_device_time_total", row_limit=row_limit), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtimes", default="lean,transformers")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=2048)
     parser.add_argument("--bandwidth-megabytes", type=int, default=512, help="buffer summed to measure bandwidth")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: the GPU where there is one)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the operators of one plain step per runtime at the last length")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:
@@ -223,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/red] {error}")
         return 2
     with torch.inference_mode():
-        bandwidth = read_bandwidth(args.bandwidth_megabytes)
-        flops = matmul_flops(next(iter(pairs.values()))[0].model.dtype)
+        target = next(iter(pairs.values()))[0]
+        device = next(target.model.parameters()).device
+        bandwidth = read_bandwidth(args.bandwidth_megabytes, device=device)
+        flops = matmul_flops(target.model.dtype, device=device)
         rows = measure(args, pairs, bandwidth, flops, console)
     table = Table(title=f"step costs, medians of {args.steps} (read bandwidth {bandwidth / 1e9:.1f} GB/s, "
                         f"matrix products {flops / 1e9:.0f} GFLOP/s)")
@@ -242,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=160).print(table)
     print(json.dumps({
         "target": args.target, "quantize": next(iter(pairs.values()))[0].quantization, "drafter": args.drafter or "self",
-        "dtype": args.dtype,
+        "dtype": args.dtype, "device": str(device),
         "drafter_quantize": args.drafter_quantize, "threads": torch.get_num_threads(),
         "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": flops / 1e9, "rows": rows,
     }))

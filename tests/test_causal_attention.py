@@ -81,3 +81,32 @@ def test_cuda_takes_the_flash_or_memory_efficient_kernel():
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # the math kernel would fail
         out = causal_attention(query, key, value)
     assert torch.allclose(out.double().cpu(), reference(query.cpu(), key.cpu(), value.cpu()), atol=3e-2)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_len", [1, 7, 64])
+def test_short_cuda_queries_never_take_cudnn_and_keep_the_numbers(monkeypatch, device, q_len):
+    """cuDNN's SDPA builds a plan per new key count (every decode step): short CUDA queries run without it; CPU
+    queries and long ones keep PyTorch's choice. The numbers equal the dense reference either way."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cudnn_allowed = []
+
+    def spy(*args, **kwargs):
+        cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "SHORT_QUERY_PATH", "sdpa")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    generator = torch.Generator().manual_seed(q_len)
+    query = torch.randn(1, 4, q_len, 16, generator=generator).to(device)
+    key, value = (torch.randn(1, 2, 96, 16, generator=generator).to(device) for _ in range(2))
+    out = causal_attention(query, key, value)
+    assert torch.allclose(out.double().cpu(), reference(query.cpu(), key.cpu(), value.cpu()), atol=1e-4)
+    restricted = device == "cuda" and q_len <= attention.MATMUL_MAX_QUERY
+    assert cudnn_allowed or (device == "cpu" and q_len > 1)  # there, two calls of the CPU flash kernel
+    assert all(allowed is not restricted for allowed in cudnn_allowed)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the restriction ends with the call
+    assert attention.SDPBackend.CUDNN_ATTENTION not in attention.CUDA_SHORT_QUERY_BACKENDS

@@ -82,6 +82,7 @@ from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from transformers.masking_utils import sdpa_mask
 
@@ -101,6 +102,10 @@ SHORT_QUERY_PATHS = ("matmul", "batched", "sdpa")
 #: the first time (:func:`fastest_short_query_path`); a name of
 #: :data:`SHORT_QUERY_PATHS` forces it (tests, comparisons).
 SHORT_QUERY_PATH = "measure"
+#: SDPA's kernels for short queries on CUDA (decode steps, verification): cuDNN's, which SDPA takes first on Hopper,
+#: builds a plan for each new key count, and every decode step brings one (a 0.5B-shaped model on an H200 at 30K
+#: keys: 49-52 ms a step over growing key counts with it allowed, 14 ms without), so flash attention, else the others.
+CUDA_SHORT_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 #: Fewest keys of a shape class; shorter caches count as this many.
 MEASURE_MIN_KEYS = 256
 #: Environment variable naming the choices file (default: :data:`CHOICES_FILE_NAME` in the cache directory).
@@ -334,10 +339,17 @@ def attend(
     if path != "sdpa":
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return grouped_matmul_attention(query, key, value, mask, scaling, batched=path == "batched")
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling, is_causal=is_causal,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+    return sdpa(query, key, value, mask, dropout_p, scaling, is_causal)
+
+
+def sdpa(query, key, value, mask, dropout_p: float, scaling: float | None, is_causal: bool = False) -> torch.Tensor:
+    """PyTorch's SDPA with native GQA; a short query on CUDA takes :data:`CUDA_SHORT_QUERY_BACKENDS`."""
+    short_cuda = query.device.type == "cuda" and query.shape[-2] <= MATMUL_MAX_QUERY
+    with sdpa_kernel(CUDA_SHORT_QUERY_BACKENDS) if short_cuda else contextlib.nullcontext():
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling, is_causal=is_causal,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
 
 
 def causal_attention(
@@ -358,9 +370,7 @@ def causal_attention(
     if query.device.type == "cpu" and _CPU_FLASH is not None and not dropout_p:
         return split_causal_attention(query, key, value, scaling)
     if query.device.type == "cuda":
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=causal_lower_right(q_len, kv_len), dropout_p=dropout_p, scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1])
+        return sdpa(query, key, value, causal_lower_right(q_len, kv_len), dropout_p, scaling)
     positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [q_len, 1]
     mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, q, n], other devices
     return attend(query, key, value, mask, False, scaling, dropout_p)

@@ -44,6 +44,7 @@ from rapidspec.runtime.kv_blocks import (BLOCK_TOKENS, FORMAT, SUFFIX, block_nam
                                          prefix_hashes, read_block, save_block)
 from rapidspec.runtime.protocol import KVCacheProtocol
 from rapidspec.runtime.quantization import int8_numerics
+from rapidspec.runtime.threads import helper_thread
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,10 @@ class DiskKVStore:
         self.key, self.max_bytes, self.describe = key, int(max_bytes), describe or {}
         self.root = directory(folder)
         self.folder = self.root / key
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapidspec-kv-write")
+        # helper_thread: a thread of its own that copied with torch's threads would give the process a second
+        # OpenMP team, and every later decode step would wait for sleeping threads (rapidspec.runtime.threads)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapidspec-kv-write",
+                                          initializer=helper_thread)
         self._pending, self._pending_lock = 0, threading.Lock()  # writes handed over and not done
         self.blocks_read = self.blocks_written = 0
 
