@@ -88,7 +88,8 @@ class DiskKVStore:
         self.root = directory(folder)
         self.folder = self.root / key
         # helper_thread: a thread of its own that copied with torch's threads would give the process a second
-        # OpenMP team, and every later decode step would wait for sleeping threads (rapidspec.runtime.threads)
+        # OpenMP team, and every later decode step would wait for sleeping threads (2x on 2 cores,
+        # benchmarks/thread_teams.py; rapidspec.runtime.threads)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rapidspec-kv-write",
                                           initializer=helper_thread)
         self._pending, self._pending_lock = 0, threading.Lock()  # writes handed over and not done
