@@ -35,7 +35,6 @@ def one_arm(arm: str, target: str, tokens: int, answers: int, new_tokens: int) -
     from rapidspec.demo_document import demo_document
     from rapidspec.runtime.threads import helper_thread
 
-    torch.set_grad_enabled(False)
     loaded = load_model(target)
     engine = Rapid(loaded, kv_cache_gib=0)
     item = demo_document(tokenizer=loaded.tokenizer, target_tokens=tokens)

@@ -39,10 +39,15 @@ def test_arithmetic_of_a_forward(tiny_model, tiny_model_dir):
 def test_a_run_prints_a_table_and_a_json_line(tiny_model_dir, capsys):
     code = step_cost.main([
         "--target", str(tiny_model_dir), "--dtype", "float32", "--lengths", "64,128", "--drafter-tokens", "32",
-        "--steps", "2", "--bandwidth-megabytes", "8",
+        "--steps", "2", "--bandwidth-megabytes", "8", "--device", "cpu", "--profile",
     ])
     assert code == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["device"] == "cpu"
+    for runtime in ("lean", "transformers"):  # --profile: one plain step per runtime at the last length, by operator
+        assert f"{runtime}, one plain step after 127 tokens: host time by operator" in captured.err
+    assert "device time by operator" not in captured.err  # a CPU has no device time
     rows = result["rows"]
     assert [(r["runtime"], r["length"]) for r in rows] == [("lean", 64), ("transformers", 64), ("lean", 128), ("transformers", 128)]
     assert all(r["plain_ms"] > 0 and r["verify_ms"] > 0 and r["plain_roofline_ms"] > 0 for r in rows)
