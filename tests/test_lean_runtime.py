@@ -295,3 +295,14 @@ def test_builtin_model_at_its_files_precision_drafts_and_verifies(real_model):
         out = engine.generate(item.document, item.question, mode=mode, eta=0.0, drafter_start="first",
                               max_new_tokens=32, ignore_eos=True)
         assert len(out.token_ids) == 32 and out.stats.drafted_tokens > 0 and out.stats.accepted_tokens > 0, mode
+
+
+def test_a_forward_outside_inference_mode_after_one_inside_it(byte_tokenizer):
+    """The lean forward keeps tables made inside inference mode (rope); a caller outside it (a script's own cache
+    after an engine's answer) gets logits, not autograd's error about inference tensors."""
+    loaded = with_lean(make_tiny_model(0, byte_tokenizer))
+    ids = token_ids(40)
+    with torch.inference_mode():
+        inside = LeanKVCache(loaded.lean, prefill_chunk_tokens=16).prefill(ids)
+    outside = LeanKVCache(loaded.lean, prefill_chunk_tokens=16).prefill(ids)
+    torch.testing.assert_close(outside, inside)

@@ -233,6 +233,7 @@ class LeanModel:
                     self._rope = (cos, sin)
         return cos[start:end], sin[start:end]
 
+    @torch.inference_mode()  # never a training forward: its tables and caches are inference tensors
     def forward_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """One forward for several sequences, each with its own cache, start and number of new tokens.
 
