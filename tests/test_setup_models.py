@@ -9,6 +9,7 @@ import pytest
 
 from rapidspec.errors import RapidspecError
 from rapidspec.models.builtin import BUILTIN_MODELS, DEFAULT_BUILTIN
+from rapidspec.models.store import assembled_gguf_path, file_sha256
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,9 +28,15 @@ def test_the_set_up_installs_the_default_model_and_the_small_one():
 
 
 def test_the_default_model_is_checked_against_its_sha256_when_installed():
+    """The set-up installed the default model through the verified assembly (a corrupted part is refused:
+    tests/test_model_store.py); the file it left has the registry's size and SHA-256."""
     parts = BUILTIN_MODELS[DEFAULT_BUILTIN].parts  # split across pinned wheels: `rapidspec models install` verifies it
     assert parts is not None and len(parts.sha256) == 64 and parts.size > 0
     assert all("==" in spec for spec in parts.pip_specs())
+    installed = assembled_gguf_path(BUILTIN_MODELS[DEFAULT_BUILTIN])
+    if not installed.is_file():
+        pytest.skip("the default model is not installed here (make demo installs it)")
+    assert installed.stat().st_size == parts.size and file_sha256(installed) == parts.sha256
 
 
 def test_the_set_up_s_check_finds_an_installed_default_model_and_refuses_a_missing_one(monkeypatch, tmp_path):
