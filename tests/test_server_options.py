@@ -10,7 +10,9 @@ answer: no 5xx; a refusal is a 400 in OpenAI's body naming the field it
 refuses; a 200 is well formed (non-streamed and streamed), its log
 probabilities one per token where asked, and its JSON or tool calls valid under
 their schema wherever the grammar ended the answer (not a stop string or the
-length).
+length). Drafting is checked from the answer's ``metrics.speculative_decoding``:
+every case of a model-drafting mode that drafts from the first round drafted
+tokens, and ``lc`` and ``rag`` drafted none.
 """
 
 from __future__ import annotations
@@ -123,15 +125,21 @@ def server(tiny_model, byte_tokenizer):
         yield url
 
 
-def read_stream(text: str) -> tuple[dict, str, list, list, str | None, dict | None]:
-    """A stream's parts: (first chunk, content, tool call parts, log probabilities, finish reason, usage)."""
+#: Modes whose drafter drafts every round once it joined (lookup drafts only where the text repeats).
+MODEL_DRAFTING = {"sd", "ragsd", "rapid", "magicdec"}
+
+
+def read_stream(text: str) -> tuple[dict, str, list, list, str | None, dict | None, dict | None]:
+    """A stream's parts: (first chunk, content, tool call parts, log probabilities, finish reason, usage,
+    metrics)."""
     lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     assert lines and lines[-1] == "[DONE]", text[-500:]
     events = [json.loads(line) for line in lines[:-1]]
     assert events and all("error" not in e for e in events), text[-500:]
-    content, calls, logprobs, finish, usage = "", [], [], None, None
+    content, calls, logprobs, finish, usage, metrics = "", [], [], None, None, None
     for event in events:
         usage = event.get("usage") or usage
+        metrics = event.get("metrics") or metrics
         for choice in event["choices"]:
             assert choice["index"] == 0
             delta = choice.get("delta", choice)
@@ -141,17 +149,18 @@ def read_stream(text: str) -> tuple[dict, str, list, list, str | None, dict | No
             logprobs += (lp.get("content") or []) if isinstance(lp, dict) and "content" in lp else (
                 lp.get("tokens") or [] if isinstance(lp, dict) else [])
             finish = choice.get("finish_reason") or finish
-    return events[0], content, calls, logprobs, finish, usage
+    return events[0], content, calls, logprobs, finish, usage, metrics
 
 
-def read_whole(answer: dict) -> tuple[str, list, list, str | None, dict]:
-    """A non-streamed answer's (content, tool calls, log probabilities, finish reason, usage)."""
+def read_whole(answer: dict) -> tuple[str, list, list, str | None, dict, dict | None]:
+    """A non-streamed answer's (content, tool calls, log probabilities, finish reason, usage, metrics)."""
     [choice] = answer["choices"]
     message = choice.get("message") or {}
     content = message.get("content") if "message" in choice else choice.get("text")
     lp = choice.get("logprobs") or {}
     logprobs = lp.get("content") or [] if "content" in lp else lp.get("tokens") or []
-    return content or "", message.get("tool_calls") or [], logprobs, choice["finish_reason"], answer["usage"]
+    return (content or "", message.get("tool_calls") or [], logprobs, choice["finish_reason"], answer["usage"],
+            answer.get("metrics"))
 
 
 def joined_calls(parts: list) -> list[tuple[str, str]]:
@@ -166,11 +175,16 @@ def joined_calls(parts: list) -> list[tuple[str, str]]:
 
 def check_answer(case: dict, body: dict, response: httpx.Response) -> None:
     if case["stream"]:
-        _, content, call_parts, logprobs, finish, usage = read_stream(response.text)
+        _, content, call_parts, logprobs, finish, usage, metrics = read_stream(response.text)
     else:
-        content, call_parts, logprobs, finish, usage = read_whole(response.json())
+        content, call_parts, logprobs, finish, usage, metrics = read_whole(response.json())
     assert finish in ("stop", "length", "tool_calls"), finish
     assert usage and usage["completion_tokens"] >= 1 and usage["completion_tokens"] <= body["max_tokens"]
+    drafted = metrics["speculative_decoding"]["num_draft_tokens"]
+    if case["mode"] in MODEL_DRAFTING and case["drafting"] == ("first", "constant") and body["max_tokens"] >= 2:
+        assert drafted > 0, metrics  # the drafter joined before the first round and drafted in it
+    if case["mode"] in ("lc", "rag"):
+        assert drafted == 0, metrics
     if case["logprobs"]:
         assert len(logprobs) == usage["completion_tokens"], (len(logprobs), usage)
     calls = joined_calls(call_parts)
