@@ -245,6 +245,7 @@ def test_a_drafter_prefilling_beside_the_target_gives_the_same_answer(tiny_model
     assert not expected.stats.drafter_prefill_beside and got.stats.drafter_prefill_own_seconds > 0
     again = beside.generate(DOCUMENT, "What shade was the lighthouse of paragraph 3?", config=config)
     assert again.stats.drafter_prefill_reused_tokens > 0
+    assert beside.drafting._beside.submit(torch.get_num_threads).result(timeout=30) == 1  # no torch team of its own
 
 
 def test_auto_prefills_beside_only_with_cores_to_spare(tiny_model, ggufs, monkeypatch):

@@ -34,7 +34,7 @@ from rapidspec.config import MODE_TABLE
 from rapidspec.errors import RapidspecError
 from rapidspec.models.vocabulary import check_same_vocabulary, logit_width
 from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
-from rapidspec.runtime.threads import compute_threads
+from rapidspec.runtime.threads import compute_threads, helper_thread
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,10 @@ class DrafterFactory:
         stats.drafter_prefill_beside = True
         with self._making:
             if self._beside is None:
-                self._beside = ThreadPoolExecutor(1, thread_name_prefix="rapidspec-drafter-prefill")
+                # llama.cpp's team here has its own thread count; torch (retrieval's embedder) runs on this thread
+                # alone, else it would keep a second team of torch's threads (rapidspec.runtime.threads)
+                self._beside = ThreadPoolExecutor(1, thread_name_prefix="rapidspec-drafter-prefill",
+                                                  initializer=helper_thread)
 
         def run():
             started = time.perf_counter()

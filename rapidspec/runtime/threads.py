@@ -14,7 +14,10 @@ So a process that computes on another thread than its main one (the
 server's engine thread) gives that thread torch's threads
 (:func:`computing_thread`) and every other thread that may touch torch one
 (:func:`helper_thread`, before its first tensor operation: loading models on
-the main thread, preparing requests). :func:`compute_threads` is the number of
+the main thread, preparing requests, writing key/value blocks to disk, the
+drafter's prefill beside the target's). In one process, once a long-lived helper
+thread had copied with torch's threads, every later decode step took 2x as long
+(`benchmarks/thread_teams.py`). :func:`compute_threads` is the number of
 threads the computing thread uses (torch's count when first asked), which is
 also the default of a llama.cpp drafter's threads.
 """
