@@ -13,6 +13,9 @@ when the line before its fence is an HTML comment that GitHub does not show:
 * ``<!-- runnable: server -->``: a block that starts ``rapidspec serve``: it
   runs in the background until ``/health`` answers on its ``--port`` (8000
   without one); the page's later blocks call it; it is stopped after the page.
+* ``<!-- expect: TEXT -->`` on the lines right after a runnable block's
+  closing fence: what the block prints must contain TEXT (the result the page
+  promises, such as the answer to the built-in document's question).
 
 Every other ``bash``/``python`` block must at least parse (``bash -n``,
 ``compile``). A block that reads a file the reader supplies is told apart:
@@ -50,6 +53,7 @@ SERVER_START_S = 240
 PORT_WAIT_S = 300
 FENCE = re.compile(r"^(\s*)```(\w*)[^`]*$")
 MARKER = re.compile(r"^\s*<!--\s*runnable(?::\s*(\w+))?\s*-->\s*$")
+EXPECT = re.compile(r"^\s*<!--\s*expect:\s*(.+?)\s*-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Block:
     lang: str  # "bash" or "python"; "" for other blocks
     code: str
     marker: str | None  # None, "run" or "server"
+    expect: tuple[str, ...] = ()  # what its output must contain (``<!-- expect: ... -->`` after its fence)
 
     @property
     def where(self) -> str:
@@ -78,8 +83,12 @@ def blocks(page: Path) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
         code = "\n".join(line[len(indent):] if line.startswith(indent) else line.lstrip() for line in lines[i + 1:end])
         marker = MARKER.match(lines[i - 1]) if i else None
+        expect, after = [], end + 1
+        while after < len(lines) and (m := EXPECT.match(lines[after])):
+            expect.append(m.group(1))
+            after += 1
         found.append(Block(page, i + 1, LANGS.get(info, ""), code + "\n",
-                           None if marker is None else (marker.group(1) or "run")))
+                           None if marker is None else (marker.group(1) or "run"), tuple(expect)))
         i = end + 1
     return found
 
@@ -114,6 +123,11 @@ def test_markers_sit_on_shell_or_python_blocks():
                 assert fence and fence.group(2) in LANGS, f"{page.name}:{n + 1}: the marker is not on a bash/python fence"
     servers = [b for b in ALL if b.marker == "server"]
     assert all(b.lang == "bash" and "rapidspec serve" in b.code for b in servers), [b.where for b in servers]
+    expecting = [b for b in ALL if b.expect]
+    assert all(b.marker == "run" for b in expecting), [b.where for b in expecting if b.marker != "run"]
+    for page in PAGES:  # an expect comment anywhere else would be silently ignored
+        text = page.read_text(encoding="utf-8")
+        assert text.count("<!-- expect:") == sum(len(b.expect) for b in ALL if b.page == page), page.name
     assert any(b.marker == "run" for b in ALL if b.page.name == "README.md"), "the README has no runnable example"
 
 
@@ -278,6 +292,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _run(block: Block, work: Path, env: dict[str, str]) -> float:
+    """Run the block as a reader would; its seconds. What it prints must contain each of ``block.expect``."""
     start = time.monotonic()
     if block.lang == "python":
         script = work / f"example_{block.page.stem}_{block.line}.py"
@@ -291,6 +306,8 @@ def _run(block: Block, work: Path, env: dict[str, str]) -> float:
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{block.where} ran past {BLOCK_TIMEOUT_S} s; output:\n{(err.stdout or '')[-2000:]}")
     assert done.returncode == 0, f"{block.where} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    missing = [text for text in block.expect if text not in done.stdout]
+    assert not missing, f"{block.where} printed none of {missing}:\n{done.stdout[-3000:]}"
     return time.monotonic() - start
 
 
@@ -312,3 +329,10 @@ def test_runnable_examples_run_as_written(page, tmp_path, tmp_path_factory):
     finally:
         for proc in servers:
             _stop(proc)
+
+
+def test_a_block_that_does_not_print_what_its_page_expects_fails(tmp_path):
+    block = Block(ROOT / "README.md", 1, "bash", "echo 'closes at 4:30 pm'\n", "run", ("4:30",))
+    assert _run(block, tmp_path, _environment()) >= 0
+    with pytest.raises(AssertionError, match="printed none of"):
+        _run(Block(ROOT / "README.md", 1, "bash", "echo 'closes at noon'\n", "run", ("4:30",)), tmp_path, _environment())
