@@ -27,7 +27,8 @@ to use it. Nothing of transformers is patched. Two paths:
   allows every earlier key, only that tail is masked.
 * **Everything else** (prefill chunks, GPUs, shapes where it measured faster):
   PyTorch's ``scaled_dot_product_attention(..., enable_gqa=True)``, which
-  reads the grouped heads directly.
+  reads the grouped heads directly; on CUDA a short query (a decode step, a
+  verification) never takes cuDNN's kernel (:data:`CUDA_SHORT_QUERY_BACKENDS`).
 
 Queries aligned to the end of the keys (a prefill chunk after the first, a
 verification step: "lower-right" causality) never build a mask of context
