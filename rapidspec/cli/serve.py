@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 
 from rapidspec.cli.options import (
     add_decode_options,
@@ -125,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_address is not None or args.replica_resources is not None:
         raise RapidspecError("--ray-address and --replica-resources apply with --replicas")
     helper_thread()  # the engine's thread computes; this one only loads and serves HTTP (rapidspec.runtime.threads)
+    announce_unfinished()
     engine = load_engine(args)
     app = create_app(engine, config)
     logging.getLogger("rapidspec").setLevel(logging.INFO)
@@ -140,3 +142,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def announce_unfinished() -> list:
+    """Drop what writers killed mid-write left in the cache (:func:`~rapidspec.runtime.cache_dir.drop_unfinished`)
+    and say so on stderr; the removed paths."""
+    from rapidspec.runtime.cache_dir import cache_root, drop_unfinished
+
+    dropped = drop_unfinished()
+    if dropped:
+        shown = ", ".join(str(p.relative_to(cache_root())) for p in dropped[:3]) + (", ..." if len(dropped) > 3 else "")
+        print(f"removed {len(dropped)} unfinished cache file(s) that processes ended while writing them "
+              f"(in {cache_root()}): {shown}", file=sys.stderr)
+    return dropped

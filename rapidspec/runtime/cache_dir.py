@@ -14,7 +14,10 @@ where that fails with ``OSError`` (a read-only folder, no permission, a full
 disk, a quota) it removes what it wrote, logs one warning per cache, folder
 and cause (:func:`warn_once`, not one per request) and returns False, and the
 caller carries on without the file. Files already in a read-only folder are
-still read.
+still read. A writer killed mid-write (SIGKILL, a lost machine) leaves its
+temporary, which no reader ever opens; :func:`drop_unfinished` removes those
+whose process has ended (``rapidspec serve`` does so when it starts, and says
+what it dropped).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -75,6 +79,36 @@ def cache_write(target: Path, write: Callable[[Path], None], what: str, without:
         return False
     finally:
         remove_quietly(temporary)
+
+
+#: The name :func:`cache_write` gives a temporary: ``.<target's name>.<writer's pid>.<12 hex digits>.tmp``.
+_TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{12}\.tmp$")
+
+
+def drop_unfinished(root: Path | None = None) -> list[Path]:
+    """Remove the temporaries of :func:`cache_write` under ``root`` (default :func:`cache_root`) whose writer
+    process has ended (killed mid-write); returns what it removed. A live process's temporaries are writes in
+    progress and stay (a writer in another PID namespace looks ended: its write is then lost, never corrupt)."""
+    root = cache_root() if root is None else Path(root)
+    dropped = []
+    for folder, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            match = _TEMPORARY.match(name)
+            if match and not _alive(int(match.group(1))):
+                remove_quietly(Path(folder) / name)
+                dropped.append(Path(folder) / name)
+        dirs[:] = [d for d in dirs if not _TEMPORARY.match(d)]
+    return dropped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's live process
+        return True
+    return True
 
 
 def keep_json(path: Path, content: object, what: str, without: str) -> bool:
