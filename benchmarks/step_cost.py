@@ -49,6 +49,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rapidspec.engine.rounds import sync
 from rapidspec.errors import RapidspecError
 from rapidspec.models import load_model, low_bit_copy
 from rapidspec.runtime import new_kv_cache
@@ -58,22 +59,16 @@ from rapidspec.runtime.quantization import TARGET_QUANTIZATIONS, Int4Linear, Int
 RUNTIMES = ("lean", "transformers")
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on CPU), so that a wall-clock time covers it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def read_bandwidth(megabytes: int = 512, repeats: int = 7, device: torch.device = torch.device("cpu")) -> float:
     """Bytes per second of summing a float32 buffer on ``device`` (filled, so pages are real), median of ``repeats``."""
     buffer = torch.rand(megabytes * 2**20 // 4, device=device)
     buffer.sum()  # warm-up
     times = []
     for _ in range(repeats):
-        synchronize(device)
+        sync(device)
         started = time.perf_counter()
         buffer.sum()
-        synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - started)
     return buffer.nbytes / statistics.median(times)
 
@@ -87,10 +82,10 @@ def matmul_flops(dtype: torch.dtype, repeats: int = 5, device: torch.device = to
     a @ b  # warm-up
     times = []
     for _ in range(repeats):
-        synchronize(device)
+        sync(device)
         started = time.perf_counter()
         a @ b
-        synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - started)
     return 2 * 512 * 4096 * 4096 / statistics.median(times)
 
@@ -140,10 +135,10 @@ def cache_bytes(model: torch.nn.Module, length: int) -> int:
 def timed_step(cache, tokens: list[int]) -> float:
     """Seconds of forwarding ``tokens`` (all logits kept), then rolling the cache back."""
     length = cache.length
-    synchronize(cache.device)
+    sync(cache.device)
     started = time.perf_counter()
     cache.forward(tokens, num_logits=len(tokens))
-    synchronize(cache.device)
+    sync(cache.device)
     seconds = time.perf_counter() - started
     cache.crop(length)
     return seconds
@@ -168,7 +163,7 @@ def prefilled(models: dict, ids: list[int], chunk: int) -> tuple[dict, dict]:
         caches[runtime] = new_kv_cache(loaded, chunk)
         started = time.perf_counter()
         caches[runtime].prefill(ids)
-        synchronize(caches[runtime].device)
+        sync(caches[runtime].device)
         seconds[runtime] = time.perf_counter() - started
     return caches, seconds
 

@@ -149,9 +149,10 @@ def announce_unfinished() -> list:
     and say so on stderr; the removed paths."""
     from rapidspec.runtime.cache_dir import cache_root, drop_unfinished
 
-    dropped = drop_unfinished()
+    root = cache_root()
+    dropped = drop_unfinished(root)
     if dropped:
-        shown = ", ".join(str(p.relative_to(cache_root())) for p in dropped[:3]) + (", ..." if len(dropped) > 3 else "")
+        shown = ", ".join(str(p.relative_to(root)) for p in dropped[:3]) + (", ..." if len(dropped) > 3 else "")
         print(f"removed {len(dropped)} unfinished cache file(s) that processes ended while writing them "
-              f"(in {cache_root()}): {shown}", file=sys.stderr)
+              f"(in {root}): {shown}", file=sys.stderr)
     return dropped
