@@ -142,6 +142,28 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+#: Set on a worker whose grouped tests lost their group: every test there fails with it (a worker's collection error
+#: would reach the terminal as an INTERNALERROR without the reason).
+UNGROUPED = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup`` a worker's grouped tests carry their group in their ids (pytest-xdist adds it):
+    where they do not, the groups were silently split across workers (pytest 9 with pytest-xdist 3.8), and
+    every module's fixtures and the run's vLLM process would be built once per worker."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup"):
+        split = [item.nodeid for item in session.items
+                 if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
+        if split:
+            session.config.stash[UNGROUPED] = (f"pytest-xdist did not group {len(split)} tests (first: {split[0]}); "
+                                               "install the pytest release pyproject.toml pins")
+
+
+def pytest_runtest_setup(item):
+    if UNGROUPED in item.config.stash:
+        pytest.fail(item.config.stash[UNGROUPED], pytrace=False)
+
+
 def _uses_module_fixtures(item) -> bool:
     definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     return any(defs and defs[-1].scope in ("module", "class") for defs in definitions.values())
@@ -209,6 +231,24 @@ def tiny_model(byte_tokenizer):
 @pytest.fixture(scope="session")
 def other_tiny_model(byte_tokenizer):
     return make_tiny_model(1, byte_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """The run's local Ray (127.0.0.1, no dashboard), started once for the Ray tests (their worker's, under
+    ``--dist loadgroup``), with the proxy callback ``rapidspec serve --replicas`` sets for its own Ray. 4 logical
+    CPUs: a module's Serve replicas and another's eval actors are placed whatever ran before."""
+    import ray
+
+    from rapidspec.scale.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session")

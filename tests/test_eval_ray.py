@@ -14,17 +14,8 @@ from rapidspec.cli import main
 from rapidspec.evaluation.runner import key_of
 
 SMALL_RETRIEVAL = ["--retrieval", "bm25", "--chunk-tokens", "64", "--budget-tokens", "128"]
-# one pytest-xdist worker runs the Ray tests (test_replicas.py too): never two clusters at once
+# one pytest-xdist worker runs the Ray tests (test_replicas.py too) on the run's one local Ray (conftest's local_ray)
 pytestmark = pytest.mark.xdist_group("ray")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _records(path) -> dict:

@@ -62,10 +62,13 @@ def test_the_gguf_de_quantization_bar_shows_only_when_logging_asks(capfd, caplog
     assert GGUF_BAR in err and err.endswith("a real warning\n")
 
 
-def test_transformers_packed_gguf_advice_only_when_logging_asks(caplog):
+def test_transformers_packed_gguf_advice_only_when_logging_asks(caplog, monkeypatch):
     """transformers advises float32 for packed GGUF weights, which rapidspec never computes with."""
     from rapidspec.models.conversion import PACKED_ADVICE, without_packed_advice
 
+    # transformers stops its records at its own logger once its logging is configured (which test does it first
+    # depends on the order): caplog listens at the root
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
     advising = logging.getLogger("transformers.quantizers.quantizer_gguf")
     for level, shown in ((logging.WARNING, False), (logging.INFO, True)):
         caplog.clear()

@@ -31,23 +31,18 @@ from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig
 from tests.server_harness import HTTP, free_port, wait_until
 
-# one pytest-xdist worker runs the Ray tests: the module's cluster starts once, never two clusters at once
+# one pytest-xdist worker runs the Ray tests: the run's local Ray (conftest's local_ray) starts once
 pytestmark = pytest.mark.xdist_group("ray")
 
 NOTES = [f"Day {i}: the garden had {i} tulips and the kettle was blue." for i in range(30)]
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_model_dir):
-    import ray
+def replicas(local_ray, tiny_model_dir):
     from ray import serve
 
     from rapidspec.scale.replicas import deploy
 
-    from rapidspec.scale.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-
-    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # as `rapidspec serve --replicas` sets it for its local Ray
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
     retrieval = RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)
     spec = EngineSpec(ModelSpec(target=str(tiny_model_dir)), retrieval)
@@ -69,8 +64,6 @@ def replicas(tiny_model_dir):
         del board
     finally:
         serve.shutdown()
-        ray.shutdown()
-        os.environ.pop(PROXY_CALLBACK_ENV, None)
 
 
 def _turn(url: str, conversation: int | str, turns: int, header: bool) -> dict:
