@@ -41,8 +41,9 @@ $(VLLM_STAMP): $(SETUP_FILES) rapidspec/vllm/environment.py rapidspec/bench/llam
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/rapidspec demo
 
-# one pytest-xdist worker per CPU, each computing on one thread (tests/conftest.py); loadgroup: one worker runs vLLM
-PYTEST := $(PY) -m pytest -q -ra --durations=10 -n auto --dist loadgroup
+# one pytest-xdist worker per CPU, each computing on one thread (tests/conftest.py); loadgroup: one worker runs vLLM;
+# --no-loadscope-reorder: the long work first, as tests/conftest.py orders it
+PYTEST := $(PY) -m pytest -q -ra --durations=10 -n auto --dist loadgroup --no-loadscope-reorder
 
 test: $(TEST_STAMP)
 	$(PYTEST)

@@ -140,6 +140,27 @@ def pytest_collection_modifyitems(items):
             # one worker runs the module: its fixtures (a server, an engine, a browser) are built once, and its
             # tests run in the order they are written
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items[:] = _long_work_first(items)
+
+
+def _long_work_first(items):
+    """``items`` with the groups and tests that load real models or run vLLM first, then the other groups (a
+    module's shared fixtures), then the rest, each group's tests in their order: the workers (``make test`` passes
+    ``--no-loadscope-reorder``, which keeps this order) start the long work at once and the short tests fill the
+    end, where pytest-xdist would start groups by their count of tests and the longest ones could come last."""
+    scopes: dict[str, tuple[int, int]] = {}  # scope -> (class: 0 real model or vLLM, 1 grouped, 2 other; first index)
+    for index, item in enumerate(items):
+        scope = _scope(item)
+        kind = 0 if item.get_closest_marker("slow") or item.get_closest_marker("vllm") else 1 if scope != item.nodeid else 2
+        known = scopes.get(scope)
+        scopes[scope] = (min(kind, known[0]), known[1]) if known else (kind, index)
+    order = {id(item): (*scopes[_scope(item)], index) for index, item in enumerate(items)}
+    return sorted(items, key=lambda item: order[id(item)])
+
+
+def _scope(item) -> str:
+    group = item.get_closest_marker("xdist_group")
+    return group.args[0] if group is not None and group.args else item.nodeid
 
 
 #: Set on a worker whose grouped tests lost their group: every test there fails with it (a worker's collection error

@@ -66,6 +66,8 @@ def test_generate_json_end_to_end(document, capsys):
     assert result["stats"]["new_tokens"] >= 1 and result["stats"]["time_to_first_token"] > 0
     assert "drafter_joined_at" in result["stats"]  # None: 12 tokens did not pay for the drafter's prefill
     assert result["retrieval"]["chunks"]  # bm25 costs a query: it ran after the first token
+    # the step costs the join read, with when and beside what load they were measured (rapidspec calibrate)
+    assert result["calibration"] and all({"key", "measured_at", "load", "busy"} <= set(e) for e in result["calibration"])
 
 
 CAT_SCHEMA = {"type": "object", "properties": {"cat": {"type": "string", "maxLength": 24}}, "required": ["cat"],

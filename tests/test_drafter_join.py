@@ -22,10 +22,9 @@ from rapidspec.drafting.calibration import (
     measure_verify,
 )
 from rapidspec.drafting.gamma_schedule import StepCosts
+from rapidspec.drafting.memory import MEMORY_PRIOR, ConversationMemory, prior_estimates
 from rapidspec.drafting.join import (
-    MEMORY_PRIOR,
     MIN_PIECE_TOKENS,
-    AcceptanceMemory,
     drafting_seconds_per_token,
     expected_remaining,
     piece_tokens,
@@ -80,15 +79,31 @@ def test_buckets_and_verify_lines():
     assert line_through(1, 0.2, 8, 0.1) == TargetCosts(0.2, 0.0)  # noise giving a negative slope: flat
 
 
-def test_acceptance_memory_starts_at_the_prior_learns_and_forgets():
-    memory = AcceptanceMemory()
-    assert memory.estimates(3) == pytest.approx([MEMORY_PRIOR] * 3)
-    memory.record([4, 4, 2], [4, 2, 0])  # position 1 always, 2 half, 3 never
-    a = memory.estimates(3)
+def test_a_conversation_remembers_its_own_answers_only():
+    memory = ConversationMemory()
+    turn_1 = list(range(100, 140))
+    assert memory.lookup(turn_1) is None and prior_estimates(3) == pytest.approx([MEMORY_PRIOR] * 3)
+    memory.record(turn_1, None, [4, 4, 2], [4, 2, 0], drafter_tokens=[7, 8, 9])  # position 1 always, 2 half, 3 never
+    turn_2 = turn_1 + [1, 2, 3]  # the answer, then the next question
+    first = memory.lookup(turn_2)
+    a = first.estimates(3)
     assert a[0] == pytest.approx((MEMORY_PRIOR + 4) / 5) and a[1] == pytest.approx((a[0] + 2) / 5) and a[2] < a[1]
-    memory.record([], [])  # an answer whose drafter did not join: the counts decay toward the prior
-    b = memory.estimates(3)
+    assert first.kept() == [(7, 8, 9)]
+    assert memory.lookup(turn_1) is None  # the same prompt again continues none of its own answers
+    assert memory.lookup([100, 101, 5] + turn_1[3:] + [1]) is None  # another conversation: the prior
+    memory.record(turn_2, first, [], [])  # an answer whose drafter did not join: the counts decay toward the prior
+    second = memory.lookup(turn_2 + [4, 5])
+    b = second.estimates(3)
+    assert second.length == len(turn_2) and second.kept() == []
     assert b[0] == pytest.approx((MEMORY_PRIOR + 3.6) / 4.6) and b[2] > a[2]
+    assert memory.lookup(turn_1 + [1, 9]).length == len(turn_1)  # a branch from turn 1 finds turn 1
+
+
+def test_the_memory_is_bounded():
+    memory = ConversationMemory(max_entries=3)
+    for i in range(5):
+        memory.record([i] * 20, None, [1], [1])
+    assert len(memory) == 3 and memory.lookup([0] * 21) is None and memory.lookup([4] * 21) is not None
 
 
 # ------------------------------------------------------------------ calibration

@@ -48,6 +48,16 @@ def test_models_and_health(client, server, engine):
                                    "drafter": engine.drafter_label, "drafter_relation": "larger"}
 
 
+def test_health_names_the_step_costs_the_decisions_read(client, server):
+    """A cost-scheduled request reads the target's verify costs: /health shows them with when and how measured."""
+    client.chat.completions.create(model="tiny", messages=HISTORY, max_tokens=4,
+                                   extra_body={"ignore_eos": True, "mode": "rapid", "gamma_schedule": "cost",
+                                               "drafter_start": "first"})
+    entries = HTTP.get(f"{server}/health").json()["calibration"]
+    verify = [e for e in entries if "verify at" in e["key"]]
+    assert verify and all({"base", "per_token", "measured_at", "load", "others", "busy"} <= set(e) for e in verify)
+
+
 def test_chat_completion_usage_and_statistics(client):
     out = client.chat.completions.create(
         model="tiny", messages=HISTORY, max_tokens=12,

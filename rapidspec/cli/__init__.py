@@ -21,7 +21,7 @@ import sys
 from rapidspec.errors import RapidspecError
 
 # Subcommand modules, in the order `rapidspec --help` lists them.
-COMMANDS = ("generate", "chat", "serve", "demo", "retrieve", "bench", "bench_serve", "eval", "report", "models", "cache")
+COMMANDS = ("generate", "chat", "serve", "demo", "retrieve", "bench", "bench_serve", "eval", "report", "models", "cache", "calibrate")
 # `rapidspec bench serve ...` is the parser `bench-serve` (`rapidspec bench` takes no positional argument).
 TWO_WORD_COMMANDS = {("bench", "serve"): "bench-serve"}
 

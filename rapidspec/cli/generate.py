@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     assert output is not None
-    if args.json:
-        print(json.dumps(output.to_dict(), ensure_ascii=False))
+    if args.json:  # with the step costs the generation's choices read (rapidspec calibrate)
+        print(json.dumps({**output.to_dict(), "calibration": engine.costs.entries()}, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         Console(stderr=True).print(stats_table([(config.mode, output.stats)]))

@@ -22,15 +22,23 @@ file to measure again (after a hardware or software change).
 
 Measurements run outside any batched tick (alone, on the calling thread's
 torch threads), so a server's first requests measure what one request costs.
+Each size is timed several times and the fastest kept (another process can
+only add time). Every entry says when it was measured, the load average then
+and the share of the machine other processes took meanwhile
+(:mod:`~rapidspec.runtime.interference`); an entry measured beside a busy
+process is marked ``busy`` and measured again, by the next process that needs
+it or after :data:`RECHECK_S` in this one: a quiet measurement replaces it,
+another busy one keeps the lower of the two. ``rapidspec calibrate`` measures
+on purpose and shows what is kept.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,18 +48,28 @@ from pathlib import Path
 import torch
 
 from rapidspec.drafting.gamma_schedule import StepCosts
+from rapidspec.errors import RapidspecError
+from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.attention import machine_key
 from rapidspec.runtime.batching import current_batcher, unbatched
 from rapidspec.runtime.cache_dir import cache_root, keep_json
+from rapidspec.runtime.interference import Watch
 from rapidspec.runtime.threads import compute_threads
 
 logger = logging.getLogger(__name__)
 
 COSTS_FILE_NAME = "step_costs.json"
 COSTS_FILE_ENV = "RAPIDSPEC_STEP_COSTS"
-COSTS_FORMAT = 2  # 2: int8 layers multiply int8 activations (runtime.dynamic_int8); costs measured before are stale
-#: Each measured size is timed this many times; the median is kept.
+# 2: int8 layers multiply int8 activations (runtime.dynamic_int8); 3: the fastest of the repeats, entries say when and
+# beside how busy a machine they were measured (older entries are measured again)
+COSTS_FORMAT = 3
+#: Each measured size is timed at least this many times (and until :data:`MIN_SAMPLE_S` have passed, at most
+#: :data:`MAX_REPEATS`); the fastest is kept.
 REPEATS = 3
+MIN_SAMPLE_S = 0.05
+MAX_REPEATS = 16
+#: A busy entry measured by this process is measured again after this many seconds.
+RECHECK_S = 600.0
 #: Tokens a fresh drafter cache prefills to measure its prefill rate (then it steps on them).
 DRAFTER_PROBE_TOKENS = 256
 #: The smallest context-length bucket; buckets double from here.
@@ -104,6 +122,16 @@ def _timed(run: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - started
 
 
+def fastest(run: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
+    """The fastest of at least ``repeats`` timed calls of ``run``, more while they add up to less than
+    :data:`MIN_SAMPLE_S` (at most :data:`MAX_REPEATS`); one untimed call first warms kernels and allocators."""
+    run()
+    samples = []
+    while len(samples) < repeats or (sum(samples) < MIN_SAMPLE_S and len(samples) < MAX_REPEATS):
+        samples.append(_timed(run, device))
+    return min(samples)
+
+
 def measure_verify(cache, pending: Sequence[int], tokens: int, repeats: int = REPEATS) -> TargetCosts:
     """v(n) on ``cache`` from forwards of 1 and ``tokens`` tokens (``pending`` then filler), each rolled back.
 
@@ -113,14 +141,15 @@ def measure_verify(cache, pending: Sequence[int], tokens: int, repeats: int = RE
     length, filler = cache.length, pending[-1]
     sizes = (len(pending), max(len(pending) + 1, tokens))
     seconds = {}
+
+    def forward(fed: list[int]) -> None:
+        cache.forward(fed, num_logits=len(fed))
+        cache.crop(length)
+
     with unbatched():
         for n in sizes:
             fed = pending + [filler] * (n - len(pending))
-            samples = []
-            for _ in range(repeats + 1):  # the first call warms kernels and allocators: not kept
-                samples.append(_timed(lambda fed=fed, n=n: cache.forward(fed, num_logits=n), cache.device))
-                cache.crop(length)
-            seconds[n] = statistics.median(samples[1:])
+            seconds[n] = fastest(lambda fed=fed: forward(fed), cache.device, repeats)
     return line_through(sizes[0], seconds[sizes[0]], sizes[1], seconds[sizes[1]])
 
 
@@ -131,26 +160,29 @@ def measure_drafter(new_cache: Callable[[int], object], token: int, repeats: int
     paths a runtime picks per shape warm up on them); then a prefill of :data:`DRAFTER_PROBE_TOKENS` tokens and
     ``repeats`` steps after it are timed.
     """
-    capacity = DRAFTER_PROBE_TOKENS + 2 * repeats + 2
+    capacity = DRAFTER_PROBE_TOKENS + 2
+
+    def prefill() -> None:
+        cache.crop(0)
+        cache.prefill([token] * DRAFTER_PROBE_TOKENS)
+
+    def step() -> None:
+        cache.forward([token], 1)
+        cache.crop(DRAFTER_PROBE_TOKENS)
+
     with unbatched():
         cache = new_cache(capacity)
         cache.reserve(capacity)
-        cache.prefill([token] * DRAFTER_PROBE_TOKENS)
-        for _ in range(repeats):
-            cache.forward([token], 1)
-        cache.crop(0)
-        prefill = _timed(lambda: cache.prefill([token] * DRAFTER_PROBE_TOKENS), cache.device)
-        steps = [_timed(lambda: cache.forward([token], 1), cache.device) for _ in range(repeats)]
-    return DrafterCosts(statistics.median(steps), prefill / DRAFTER_PROBE_TOKENS)
+        prefill_seconds = fastest(prefill, cache.device, 1)
+        step_seconds = fastest(step, cache.device, repeats)
+    return DrafterCosts(step_seconds, prefill_seconds / DRAFTER_PROBE_TOKENS)
 
 
 def measure_embedding(embedder, tokenizer, repeats: int = REPEATS) -> float:
     """Seconds per document token (counted by ``tokenizer``) of ``embedder.encode`` on a synthetic 512-token text."""
     text = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
     tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    embedder.encode([text])  # warm-up
-    seconds = [_timed(lambda: embedder.encode([text]), torch.device("cpu")) for _ in range(repeats)]
-    return statistics.median(seconds) / max(1, tokens)
+    return fastest(lambda: embedder.encode([text]), torch.device("cpu"), repeats) / max(1, tokens)
 
 
 def measured_alone(measure: Callable[[], object]):
@@ -171,14 +203,17 @@ class CostBook:
     """The kept costs of one machine: read from and written to the costs file, one entry per key.
 
     ``get(kind, key, measure)`` returns the kept entry or measures it (``measure()`` returns a
-    :class:`TargetCosts`, :class:`DrafterCosts` or a float) and keeps it. Thread-safe: a key is measured once.
-    A file that cannot be written (a read-only or full folder) keeps the numbers for this process, with one
-    warning per folder and cause (:func:`~rapidspec.runtime.cache_dir.cache_write`); entries already in it are read.
+    :class:`TargetCosts`, :class:`DrafterCosts` or a float) and keeps it; a busy entry is measured again as the
+    module says. Thread-safe: a key is measured by one thread at a time. A file that cannot be written (a
+    read-only or full folder) keeps the numbers for this process, with one warning per folder and cause
+    (:func:`~rapidspec.runtime.cache_dir.cache_write`); entries already in it are read.
     """
 
-    def __init__(self, path: Path | None = None) -> None:
-        self.path = path
+    def __init__(self, path: Path | None = None, watch: Callable[[], Watch] = Watch) -> None:
+        self.path, self.watch = path, watch
         self._memory: dict[str, dict] = {}
+        self._measured_at: dict[str, float] = {}  # monotonic time this process last measured a key
+        self.not_kept: dict[str, dict] = {}  # this process's last measurements that were busy and not kept, by key
         self._lock = threading.Lock()
 
     def file(self) -> Path:
@@ -187,26 +222,81 @@ class CostBook:
         override = os.environ.get(COSTS_FILE_ENV)
         return Path(override).expanduser() if override else cache_root() / COSTS_FILE_NAME
 
-    def get(self, kind: type, key: str, measure: Callable[[], object]):
-        """The ``kind`` entry (TargetCosts, DrafterCosts or float) of ``key`` on this machine, measured when missing."""
+    def get(self, kind: type, key: str, measure: Callable[[], object], again: bool = False):
+        """The ``kind`` entry (TargetCosts, DrafterCosts or float) of ``key`` on this machine, measured when missing,
+        busy and due again, or when ``again``."""
         full_key = f"{key} | {compute_threads()} threads"
         with self._lock:
-            entry = self._memory.get(full_key) or _read(self.file()).get(machine_key(), {}).get(full_key)
-            value = _entry_value(kind, entry)
-            if value is None:
-                value = measured_alone(measure)
-                entry = asdict(value) if kind is not float else {"value": float(value)}
-                logger.info("measured %s: %s (kept in %s)", full_key, entry, self.file())
-                self._write(full_key, entry)
-            self._memory[full_key] = entry
-            return value
+            kept = self._memory.get(full_key) or self.stored().get(full_key)
+            if _entry_value(kind, kept) is None:
+                kept = None
+            if again or kept is None or (kept.get("busy") and self._due(full_key)):
+                kept = self._measure(kind, full_key, measure, kept)
+            self._memory[full_key] = kept
+            return _entry_value(kind, kept)
+
+    def _due(self, key: str) -> bool:
+        measured = self._measured_at.get(key)
+        return measured is None or time.monotonic() - measured >= RECHECK_S
+
+    def _measure(self, kind: type, key: str, measure: Callable[[], object], kept: dict | None) -> dict:
+        with self.watch() as watch:
+            value = measured_alone(measure)
+        self._measured_at[key] = time.monotonic()
+        fresh = asdict(value) if kind is not float else {"value": float(value)}
+        fresh.update(measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     load=watch.load, others=watch.others, busy=watch.busy)
+        entry = fresh
+        if kept is not None and watch.busy:
+            if not kept.get("busy"):
+                entry = kept  # a quiet measurement is not replaced by a busy one
+            elif _total(kind, kept) <= _total(kind, fresh):
+                entry = kept  # both busy: the lower, measured again later
+        logger.info("measured %s: %s%s (kept in %s)", key, fresh,
+                    "" if entry is fresh else "; beside busy processes, so the earlier entry is kept", self.file())
+        if entry is fresh:
+            self.not_kept.pop(key, None)
+            self._write(key, entry)
+        else:
+            self.not_kept[key] = fresh
+        return entry
+
+    def stored(self) -> dict[str, dict]:
+        """This machine's entries in the costs file, by key."""
+        return _read(self.file()).get(machine_key(), {})
+
+    def entries(self) -> list[dict]:
+        """The entries this book has read or measured in this process: ``{"key": ..., **entry}`` each (without the
+        lock, which a measurement holds: ``/health`` answers while one runs)."""
+        return [{"key": key, **entry} for key, entry in list(self._memory.items())]
+
+    def clear(self) -> int:
+        """Forget this machine's entries (in the file and in memory); how many the file held."""
+        with self._lock:
+            path = self.file()
+            content = _read(path)
+            removed = len(content.pop(machine_key(), {}))
+            self._memory.clear()
+            self._measured_at.clear()
+            if removed:
+                self._keep(path, content)
+            return removed
 
     def _write(self, key: str, entry: dict) -> None:
         path = self.file()
         content = _read(path)
         content.setdefault(machine_key(), {})[key] = entry
+        self._keep(path, content)
+
+    @staticmethod
+    def _keep(path: Path, content: dict) -> None:
         keep_json(path, {"format": COSTS_FORMAT, "machines": content}, f"the measured step costs ({path.name})",
                   "they are kept in memory and measured again by each process")
+
+
+def _total(kind: type, entry: dict) -> float:
+    value = _entry_value(kind, entry)
+    return float(value) if kind is float else sum(asdict(value).values())
 
 
 def _read(path: Path) -> dict[str, dict[str, dict]]:
@@ -241,25 +331,48 @@ class EngineCosts:
         self.book, self.target_model, self.drafting, self.retriever = book, target, drafting, retriever
         self._token = next(iter(stop_tokens), 0)  # what a drafter's probe feeds (any token does)
 
-    def target(self, config, cache, seq: Sequence[int]) -> TargetCosts:
+    def target(self, config, cache, seq: Sequence[int], again: bool = False) -> TargetCosts:
         """v(n) of the target at the context bucket of ``seq`` (measured on ``cache``, which holds ``seq[:-1]``)."""
         tokens = min(VERIFY_PROBE_TOKENS, config.max_gamma + 1)
         model = self.target_model
         key = (f"target {model.label} {model.dtype} {model.device.type} {model.runtime} | verify at "
                f"{context_bucket(len(seq))} tokens, n = 1 and {tokens}")
-        return self.book.get(TargetCosts, key, lambda: measure_verify(cache, seq[cache.length :], tokens))
+        return self.book.get(TargetCosts, key, lambda: measure_verify(cache, seq[cache.length :], tokens), again)
 
-    def drafter(self, config) -> DrafterCosts:
+    def drafter(self, config, again: bool = False) -> DrafterCosts:
         """The step and prefill costs of the drafter ``config`` drafts with."""
         pool = self.drafting.pool(config.drafter_backend)
         return self.book.get(DrafterCosts, self.drafting.costs_key(config),
-                             lambda: measure_drafter(pool.new_cache, self._token))
+                             lambda: measure_drafter(pool.new_cache, self._token), again)
 
-    def embedding(self) -> float:
+    def embedding(self, again: bool = False) -> float:
         """Seconds per document token the engine's retriever embeds."""
         config = self.retriever.config
         key = f"embedder {config.embedding_model} {config.embedding_dtype} on {config.device or 'auto'}"
-        return self.book.get(float, key, lambda: measure_embedding(self.retriever.embedder, self.retriever.tokenizer))
+        return self.book.get(float, key, lambda: measure_embedding(self.retriever.embedder, self.retriever.tokenizer),
+                             again)
+
+    def calibrate(self, config, contexts: Sequence[int], again: bool, embedder: bool, chunk_tokens: int,
+                  progress=None) -> None:
+        """What :meth:`rapidspec.Rapid.calibrate` measures: ``config``'s model drafter, the embedder (``embedder``
+        and a retrieval that embeds), the target's verification at each of ``contexts`` tokens (a cache of filler
+        tokens prefilled ``chunk_tokens`` at a time, telling ``progress(done, total)``)."""
+        limit = self.target_model.max_context - VERIFY_PROBE_TOKENS - 1
+        if bad := [n for n in contexts if not 2 <= n <= limit]:
+            raise RapidspecError(f"a context to calibrate at must be 2 to {limit} tokens (the target's window less "
+                                 f"a verification), got {bad[0]}")
+        if self.drafting.drafter_kind(config) == "model":
+            self.drafter(config, again)
+        if embedder and self.retriever.config.method in ("dense", "hybrid", "auto"):
+            self.embedding(again)
+        filler = self.target_model.tokenizer(" the river town kept its boats", add_special_tokens=False)["input_ids"]
+        for tokens in contexts:
+            seq = ((filler or [self._token]) * (tokens // max(1, len(filler)) + 1))[:tokens]
+            cache = new_kv_cache(self.target_model, chunk_tokens)
+            cache.reserve(tokens + VERIFY_PROBE_TOKENS)
+            for _ in cache.prefill_chunks(seq[:-1], None, progress):
+                pass
+            self.target(config, cache, seq, again)
 
     def step_costs(self, config, cache, seq: Sequence[int]) -> StepCosts:
         """What the ``cost`` gamma schedule plans with: the drafter's step and the target's v(n)."""

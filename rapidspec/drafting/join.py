@@ -16,14 +16,14 @@ A piece runs only while the expected saving over the rest of the answer
 exceeds what the preparation still costs (:func:`worth_preparing`), so a short
 answer costs what lc costs. The costs come from the machine's calibration
 (:mod:`.calibration`), the lengths from the config and the tokens so far, and
-what the engine holds is read once, when the generation starts: the expected
-acceptance of its earlier answers (:class:`AcceptanceMemory`) and what its
-kept drafter caches hold. The prefill's pieces are planned from that
-snapshot: the drafter joins at the round the plan fixed, and a cache another
-request took or gave back meanwhile changes only how many tokens each piece
-feeds. So the rounds of a generation are a function of the request, the
-machine and what the engine held when it started, never of the clock or of
-requests running beside it.
+the conversation's earlier answers are read once, when the generation starts
+(:mod:`.memory`): their expected acceptance and the drafter cache the previous
+one left. The prefill's pieces are planned from that: the drafter joins at the
+round the plan fixed, and the caches the pool actually holds (another request
+may have taken or given back one meanwhile) change only how many tokens each
+piece feeds. So the rounds of a generation are a function of the request
+(with its conversation's earlier turns) and the machine's calibration, never
+of the clock or of requests that ran before or beside it.
 
 A llama.cpp drafter prefilling beside the target's prefill on spare cores
 (:meth:`~.factory.DrafterFactory.prefills_beside`) joins at the first round
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -43,9 +42,7 @@ from rapidspec.drafting.calibration import DrafterCosts, TargetCosts
 from rapidspec.drafting.factory import drop_started
 from rapidspec.errors import RapidspecError
 from rapidspec.drafting.gamma_schedule import (
-    ACCEPTANCE_PRIOR_STRENGTH,
     StepCosts,
-    acceptance_estimates,
     best_drafts,
     expected_round_seconds,
     expected_tokens,
@@ -55,15 +52,6 @@ logger = logging.getLogger(__name__)
 
 #: A prefill piece feeds at least this many tokens (a chunk smaller than this costs mostly overhead).
 MIN_PIECE_TOKENS = 16
-#: Finished answers' acceptance counts decay by this per answer, drafted or not (about the last 10 answers weigh;
-#: after answers without the drafter the prior comes back, so a drafter judged poor is tried again).
-MEMORY_DECAY = 0.9
-#: What the start decision expects of a draft before the engine's answers say otherwise: kept. Optimism while the
-#: evidence is thin tries the drafter on the first answer long enough to pay for a good one, and the answer's
-#: counts then decide (one prior observation against each answer's tens of drafts). A pessimistic prior never
-#: learns: with 0.7 the Qwen2.5-Coder 0.5B self-drafter, which keeps most of its drafts on the demo document's
-#: questions, was never prefilled for a 128-token answer on 2 cores.
-MEMORY_PRIOR = 1.0
 #: Without ignore_eos an answer may end at any token: the decision expects at most max(tokens so far, this) more
 #: (an answer that ran long is likely to run on), never more than max_new_tokens allows.
 LENGTH_HORIZON = 32
@@ -110,41 +98,13 @@ def piece_tokens(plain_step: float, prefill_per_token: float) -> int:
     return max(MIN_PIECE_TOKENS, int(plain_step / prefill_per_token))
 
 
-class AcceptanceMemory:
-    """Per-position acceptance of an engine's finished answers (decayed counts), the prior of the start decision.
-
-    :meth:`estimates` gives a_i for i = 1..max_gamma (:data:`MEMORY_PRIOR` with no answers yet); :meth:`record`
-    decays the counts and adds a finished answer's per-position counts (none when its drafter did not join).
-    Thread-safe.
-    """
-
-    def __init__(self) -> None:
-        self._accepted: list[float] = []
-        self._drafted: list[float] = []
-        self._lock = threading.Lock()
-
-    def estimates(self, positions: int) -> list[float]:
-        with self._lock:
-            accepted = (self._accepted + [0.0] * positions)[:positions]
-            drafted = (self._drafted + [0.0] * positions)[:positions]
-        return acceptance_estimates(accepted, drafted, ACCEPTANCE_PRIOR_STRENGTH, MEMORY_PRIOR)
-
-    def record(self, drafted_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> None:
-        with self._lock:
-            size = max(len(self._drafted), len(drafted_per_position))
-            grow = lambda xs: [x * MEMORY_DECAY for x in xs] + [0.0] * (size - len(xs))  # noqa: E731
-            self._accepted, self._drafted = grow(self._accepted), grow(self._drafted)
-            for i, (d, a) in enumerate(zip(drafted_per_position, accepted_per_position)):
-                self._drafted[i] += d
-                self._accepted[i] += a
-
-
 class DrafterJoin:
     """Prepares the drafter of one generation between its rounds (module docstring).
 
     ``factory``: the engine's :class:`~.factory.DrafterFactory`; ``prompts``: the generation's PromptPair
     (maybe deferred); ``costs``: the engine's :class:`~.calibration.EngineCosts`; ``acceptance``: the prior
-    a_1..a_max_gamma and ``kept``: the kept drafter caches' tokens, both read when the generation started;
+    a_1..a_max_gamma and ``kept``: the drafter caches the plan counts as kept, both from the conversation's
+    earlier answers (:class:`~.memory.Turn`);
     ``beside``: a drafter prefilling beside the target's prefill.
     """
 
@@ -251,8 +211,8 @@ class DrafterJoin:
         return target, drafter
 
     def _planned_tokens(self) -> int:
-        """Tokens the drafter's prefill feeds by the plan: its prompt less what the kept caches held when the
-        generation started (the retrieval budget while the prompt is not known yet)."""
+        """Tokens the drafter's prefill feeds by the plan: its prompt less what the conversation's previous answer
+        left in a drafter cache (the retrieval budget while the prompt is not known yet)."""
         if self.prompts.deferred is not None:
             return self.prompts.deferred.drafter_tokens
         if self.prompts.drafter_ids is None:

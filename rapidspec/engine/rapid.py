@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -38,7 +38,8 @@ from rapidspec.drafting.calibration import CostBook, EngineCosts
 from rapidspec.drafting.eta_default import EtaWarnings
 from rapidspec.drafting.factory import DrafterFactory, drop_started
 from rapidspec.drafting.gamma_schedule import GammaSchedule
-from rapidspec.drafting.join import AcceptanceMemory, DrafterJoin
+from rapidspec.drafting.join import DrafterJoin
+from rapidspec.drafting.memory import ConversationMemory, prior_estimates
 from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.errors import RapidspecError
 from rapidspec.engine.defaults import resolve
@@ -109,7 +110,8 @@ class Rapid:
                                             self.eos_token_ids)
         self._eta_warnings = EtaWarnings()
         self._costs = EngineCosts(CostBook(), target, self.drafting, self.retriever, self.eos_token_ids)
-        self.acceptance = AcceptanceMemory()  # earlier answers' acceptance: the drafter's start decision reads it
+        # each conversation's earlier answers (their acceptance, the drafter cache they left): the join's plan reads it
+        self.memory = ConversationMemory()
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, loaded: tuple | None = None) -> "Rapid":
@@ -159,13 +161,16 @@ class Rapid:
         return self.drafting.relation
 
     # ------------------------------------------------------------------ API
-    def calibrate(self, config: DecodeConfig | None = None) -> None:
+    def calibrate(self, config: DecodeConfig | None = None, contexts: Sequence[int] = (), again: bool = False,
+                  embedder: bool = False, progress=None) -> list[dict]:
         """Load ``config``'s drafter and measure its step and prefill costs now where this machine has none kept
-        (:mod:`rapidspec.drafting.calibration`), so that the first generation does not spend that time. Nothing
-        to do for modes without a model drafter."""
-        config = config or DecodeConfig()
-        if self.drafting.drafter_kind(config) == "model":
-            self._costs.drafter(config)
+        (:mod:`rapidspec.drafting.calibration`), so that the first generation does not spend that time (nothing to
+        do for modes without a model drafter); with ``contexts``, the target's verify costs at those context
+        lengths too (on a cache of filler tokens, prefilled with ``progress(done, total)``); with ``embedder`` and
+        a retrieval that embeds (dense, hybrid, auto), the embedder's cost. ``again``: measure even what is kept.
+        Returns the engine's entries."""
+        self._costs.calibrate(config or DecodeConfig(), contexts, again, embedder, self.prefill_chunk_tokens, progress)
+        return self.costs.entries()
 
     def generate(self, document: str, question: str, **options) -> GenerationOutput:
         """Generate an answer; same options as :meth:`stream`."""
@@ -259,8 +264,10 @@ class Rapid:
         """
         generation_started = time.perf_counter()
         config, eta_source = resolve(config, self.drafter_relation, self._eta_warnings)
-        # what the engine holds when the generation starts: the drafter's plan reads this, not later changes
-        acceptance, kept = self.acceptance.estimates(config.max_gamma), self.drafting.kept_tokens(config)
+        # the conversation's earlier answers, never other requests': the drafter's plan reads this (drafting.memory)
+        previous = self.memory.lookup(prompts.target_ids)
+        acceptance = prior_estimates(config.max_gamma) if previous is None else previous.estimates(config.max_gamma)
+        kept = [] if previous is None else previous.kept()
         stats = GenerationStats.starting(config, prompts)
         stats.eta_source = eta_source
         target_device = self.target.model.device
@@ -323,7 +330,10 @@ class Rapid:
                 if use_store and consistent:
                     self._keep(target_cache)
                 if consistent and self.drafting.drafter_kind(config) == "model":
-                    self.acceptance.record(stats.drafted_per_position, stats.accepted_per_position)
+                    drafter_ids = join.prompts.drafter_ids if join.prompts.deferred is None else None
+                    self.memory.record(prompts.target_ids, previous, stats.drafted_per_position,
+                                       stats.accepted_per_position,
+                                       () if drafter_ids is None else [*drafter_ids[:-1], *target_seq[len(prompts.target_ids):]])
 
     @property
     def disk_store(self) -> DiskKVStore | None:

@@ -83,7 +83,9 @@ class ServerState:
                 "waiting": worker.waiting, "max_num_seqs": worker.max_num_seqs, "max_queue": config.max_queue,
                 "batch_steps": worker.batched, "batched_forward_rows_recent": list(worker.batch_rows[-32:]),
                 "prefix_cache": {"entries": len(engine.prefix_cache), "bytes": engine.prefix_cache.bytes_used,
-                                 "max_bytes": engine.prefix_cache.max_bytes}}
+                                 "max_bytes": engine.prefix_cache.max_bytes},
+                # the step costs its decisions read: figures, when measured, the load then, busy or not
+                "calibration": engine.costs.entries()}
 
 
 def server_state(request: Request) -> ServerState:
