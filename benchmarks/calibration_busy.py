@@ -1,6 +1,6 @@
 """Step costs measured quiet and beside busy processes: what ``step_costs.json`` keeps (rapidspec.drafting.calibration).
 
-    python benchmarks/calibration_busy.py --target builtin --contexts 1024,8192 --rounds 2
+    python -m benchmarks.calibration_busy --target builtin --contexts 1024,8192 --rounds 2
 
 Each round measures with ``rapidspec calibrate`` (a process of its own, its own
 costs file, ``again``): quiet, then beside one spinning process per CPU, then
@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.document_once import cpu_line
 
 SPIN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
 
@@ -44,6 +45,12 @@ def total(entry: dict) -> float:
     return entry["step"] if "step" in entry else entry["value"]
 
 
+def verdict(within: bool, replaced: bool, not_kept: bool) -> str:
+    if within:
+        return "what the file kept stayed within the margin" + (" (the busy measurement was not kept)" if not_kept else "")
+    return "replaced by the next quiet measurement" if replaced else "NOT within the margin nor replaced"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="builtin")
@@ -51,8 +58,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--margin", type=float, default=0.15)
     args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {os.getloadavg()[0]:.2f}; "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {' '.join(sys.argv)}")
+          f"{cpu_line()}; commit {commit}; {' '.join(sys.argv)}")
     costs = Path(tempfile.mkdtemp()) / "step_costs.json"
     results, failures = [], 0
     for round_ in range(args.rounds):
@@ -78,7 +86,7 @@ def main() -> int:
             print(f"round {round_} {key}\n    quiet {total(q):.4g} s (others {q['others']}), beside spinners "
                   f"{total(b):.4g} s = {total(b) / total(q):.2f}x (others {b['others']}, busy {b['busy']}); kept then "
                   f"{total(busy[key]['kept']):.4g}, after the next quiet run {total(a):.4g}: "
-                  f"{'within the margin' if within else 'replaced' if replaced else 'NOT within the margin nor replaced'}")
+                  f"{verdict(within, replaced, busy[key]['kept'] is not busy[key]['measured'])}")
     print(json.dumps({"target": args.target, "contexts": args.contexts, "margin": args.margin, "failures": failures,
                       "results": results}))
     return 1 if failures else 0
