@@ -1,12 +1,13 @@
 """How long a small request and /health wait beside legal but expensive requests (docs/serving.md quotes it).
 
-    python benchmarks/serve_beside.py --repeats 3
+    python -m benchmarks.serve_beside --repeats 3 [--serve-args '--shared-prefill-tokens 0']
 
 Starts `rapidspec serve` (built-in model by default) on 127.0.0.1; for each expensive request below, --repeats
 times: sends it, sends a small chat request (8 tokens) --delay seconds later, and asks /health every 50 ms until
 both are answered. Reports, per case, the expensive request's status and seconds, the small request's whole
 answer time and /health's slowest answer (medians over the repeats), and the small request alone first.
 
+* a first-seen document of 8K tokens (mode lc: the target prefills it, chunk after chunk);
 * a first-seen document of four windows (mode rag, truncate middle: sizing, retrieval and embedding);
 * 60,000 empty messages (truncate middle);
 * a 2 MB query (truncate middle);
@@ -20,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import shlex
 import statistics
 import sys
 import threading
@@ -31,6 +35,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.document_once import cpu_line
 from rapidspec.bench.serve.process import LaunchConfig, LocalServer
 from rapidspec.demo_document import demo_document
 
@@ -48,6 +53,9 @@ def cases(window: int) -> dict[str, tuple[str, Callable[[], dict]]]:
         return f"Log {uuid.uuid4().hex}.\n{half}\n\n{half}"
 
     return {
+        "first-seen 8K-token document (lc: the target's prefill)": ("/v1/chat/completions", lambda: {
+            "messages": question, "mode": "lc", "max_tokens": 8,
+            "documents": [f"Log {uuid.uuid4().hex}.\n" + demo_document(target_tokens=8192).document]}),
         "first-seen 4-window document (rag)": ("/v1/chat/completions", lambda: {
             "messages": question, "mode": "rag", "truncate": "middle", "max_tokens": 8, "documents": [document()]}),
         "60,000 empty messages": ("/v1/chat/completions", lambda: {
@@ -59,6 +67,10 @@ def cases(window: int) -> dict[str, tuple[str, Callable[[], dict]]]:
         "256 tokens with 20 logprobs": ("/v1/chat/completions", lambda: {
             "messages": question, "max_tokens": 256, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}),
     }
+
+
+def commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def timed_post(client: httpx.Client, route: str, body: dict, out: dict) -> None:
@@ -104,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", default="", help="only the cases whose names hold this text (default: all)")
     parser.add_argument("--delay", type=float, default=0.3, help="seconds between the expensive and the small request")
+    parser.add_argument("--serve-args", default="", help="more options of rapidspec serve, as one string")
     args = parser.parse_args(argv)
     if not 1 <= args.repeats <= 20:
         parser.error("--repeats must be in [1, 20]")
     results: dict[str, list[dict]] = {}
-    with LocalServer(LaunchConfig(("--target", args.target))) as server, \
+    load = os.getloadavg()[0]
+    with LocalServer(LaunchConfig(("--target", args.target, *shlex.split(args.serve_args)))) as server, \
             httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
         window = client.get("/v1/models").json()["data"][0]["max_model_len"]
         for _ in range(2):  # warm up (the first request loads the retrieval models)
@@ -124,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                     results.setdefault(name, []).append(beside(client, route, make_body(), args.delay))
     medians = {name: {key: statistics.median(r[key] for r in runs) for key in ("expensive_s", "small_s", "health_max_s")}
                | {"statuses": sorted({r["status"] for r in runs})} for name, runs in results.items()}
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average at the start {load:.2f}; "
+          f"{cpu_line()}; commit {commit()}; {' '.join(sys.argv)}")
     table = Table(title=f"beside expensive requests ({args.target}, window {window}, medians of {args.repeats})")
     for column in ("expensive request", "its status", "its seconds", "small request s", "/health slowest s"):
         table.add_column(column, justify="left" if column == "expensive request" else "right")

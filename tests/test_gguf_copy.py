@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,11 @@ def test_a_q4_1_drafter_reads_its_q8_0_copy_made_once(tiny_model, q4_1_file, tmp
     again = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
     assert "Q8_0" in again.drafter_label and copy.stat().st_mtime_ns == written  # found, not written again
     assert [p.name for p in copy.parent.iterdir()] == [copy.name]  # no partial file left
+
+    os.utime(q4_1_file, ns=(written, written + 10**9))  # the same file installed again: another modification time
+    Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
+    newer = copy_path(q4_1_file, "Q8_0")
+    assert newer != copy and [p.name for p in copy.parent.iterdir()] == [newer.name]  # one copy per file name
 
 
 def test_as_is_reads_the_file_itself(tiny_model, q4_1_file, tmp_path, monkeypatch):

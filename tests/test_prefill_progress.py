@@ -74,3 +74,32 @@ def test_a_prefill_cut_short_keeps_what_it_read(tiny_model, tmp_path, how):
     other = engine(tiny_model, kv_cache_dir=str(tmp_path))  # another process: from disk, whole blocks and the rest
     *_, last = other.decode(prompts, config)
     assert last.output.stats.target_prefill_disk_tokens >= 21 * 64
+
+
+def _progress(url: str, body: dict) -> list[int]:
+    """The prefill's progress (tokens done, line after line) of a streamed request."""
+    with HTTP.stream("POST", f"{url}/v1/chat/completions", json=body | {"stream": True}, timeout=120) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    return [int(m.group(1)) for m in (LINE.match(line) for line in lines if line.startswith(":")) if m]
+
+
+def test_a_prefill_beside_other_requests_yields_every_shared_tokens(tiny_model):
+    """Alone, a prefill steps a whole chunk (1024 tokens) at a time; while another request runs, at most
+    ``shared_prefill_tokens`` (32), so the other's rounds come between its chunks; with 0, whole chunks always."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "How many passengers on row 9?"}],
+            "documents": [DOCUMENT], "max_tokens": 2, "temperature": 0, "mode": "lc"}
+    long_answer = {"model": "tiny", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 4000,
+                   "ignore_eos": True, "mode": "lc", "stream": True}
+    rapid = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), prefill_chunk_tokens=1024, kv_cache_gib=0)
+    for shared, steps_beside in ((32, {32}), (0, {1024})):
+        with running_server(rapid, shared_prefill_tokens=shared, max_num_seqs=2) as url:
+            alone = _progress(url, body | {"documents": [DOCUMENT.replace("ferry", f"barge {shared}")]})
+            assert {b - a for a, b in zip(alone, alone[1:-1])} == {1024}
+            with HTTP.stream("POST", f"{url}/v1/chat/completions", json=long_answer, timeout=120) as running:
+                lines = running.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))  # it runs
+                beside = _progress(url, body | {"documents": [DOCUMENT.replace("ferry", f"boat {shared}")]})
+                # then the long answer's stream is closed: that ends it
+            assert len(beside) > (20 if shared else 2)
+            assert {b - a for a, b in zip(beside, beside[1:-1])} == steps_beside

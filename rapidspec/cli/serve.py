@@ -20,6 +20,7 @@ from rapidspec.cli.options import (
     load_engine,
     retrieval_config,
 )
+from rapidspec.config import SHARED_PREFILL_TOKENS
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.errors import RapidspecError
 
@@ -45,6 +46,9 @@ def register(subparsers) -> None:
                         help="advance the running requests together, their target (and torch drafter) forwards on the "
                              "lean runtime batched into one forward per step (default: on; --no-batch-steps: in turn, "
                              "a round each; docs/scaling.md)")
+    parser.add_argument("--shared-prefill-tokens", type=int, default=SHARED_PREFILL_TOKENS,
+                        help="while other requests run or wait, a long prefill feeds at most this many tokens a step, "
+                             "so their steps come between its chunks (0: whole chunks; default: %(default)s)")
     parser.add_argument("--max-queue", type=int, default=16, help="requests that may wait beyond those; more get 429 (default: %(default)s)")
     parser.add_argument("--recent-messages", type=int, default=DEFAULT_RECENT_MESSAGES,
                         help="earlier chat messages the drafter always reads verbatim (default: %(default)s)")
@@ -111,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_num_seqs=args.max_num_seqs,
         batch_steps=args.batch_steps,
+        shared_prefill_tokens=args.shared_prefill_tokens,
         api_key=args.api_key if args.api_key is not None else os.environ.get("RAPIDSPEC_API_KEY"),  # "" is refused
         max_request_bytes=args.max_request_bytes,
         max_document_tokens=args.max_document_tokens,

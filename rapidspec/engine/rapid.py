@@ -246,7 +246,8 @@ class Rapid:
                profile: bool = False, observer=None, schedule: GammaSchedule | None = None,
                should_stop: Callable[[], bool] | None = None,
                prefill_progress: Callable[[int, int], None] | None = None,
-               yield_prefill_chunks: bool = False) -> Iterator[StreamChunk]:
+               yield_prefill_chunks: bool = False,
+               prefill_chunk_limit: Callable[[], int | None] | None = None) -> Iterator[StreamChunk]:
         """Prefill and decode ``prompts`` (from :meth:`document_prompts` or :meth:`chat_prompts`).
 
         ``generator`` overrides the seeded one for sampling; ``profile`` syncs the device around each phase
@@ -257,7 +258,8 @@ class Rapid:
         ends the prefill with :class:`~rapidspec.runtime.errors.PrefillStopped` (a cancelled request);
         ``prefill_progress(done, total)`` hears of each target prefill chunk (a progress bar);
         ``yield_prefill_chunks`` yields an empty chunk after each, its ``prefill`` saying how far it got (a caller
-        interleaving generations; run them all inside ``torch.inference_mode()``, as the server's worker does). A
+        interleaving generations; run them all inside ``torch.inference_mode()``, as the server's worker does), and
+        ``prefill_chunk_limit()``, asked before each chunk, may make the next one shorter (None: no limit). A
         prefill stopped or closed early keeps what it read (the prefix cache and the disk) for the next request.
         ``config.time_limit_s`` ends the answer with stop reason ``time`` (a RapidspecError when the prefill alone
         takes longer).
@@ -294,7 +296,7 @@ class Rapid:
             try:
                 target_cache = yield from self._prefill_target(
                     target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()),
-                    prefill_progress, yield_prefill_chunks)
+                    prefill_progress, yield_prefill_chunks, prefill_chunk_limit)
             except BaseException as error:
                 drop_started(beside)
                 if isinstance(error, PrefillStopped) and out_of_time():
@@ -369,7 +371,7 @@ class Rapid:
         self.prefix_cache.store(cache)
 
     def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, room: int, should_stop,
-                        progress=None, ticks: bool = False):
+                        progress=None, ticks: bool = False, chunk_limit=None):
         """A generator: prefills ``token_ids[:-1]`` from a stored cache sharing a prefix (with ``ticks``, an empty
         chunk after each prefill chunk saying how far it got); returns the cache, allocated once with ``room``
         positions (the generation never grows it). Stopped or closed early, it keeps what it read (``use_store``)."""
@@ -383,7 +385,7 @@ class Rapid:
             stats.target_prefill_disk_tokens = self.disk_store.extend(cache, wanted)
             stats.target_prefill_reused_tokens = cache.length
         try:
-            for _ in cache.prefill_chunks(wanted[cache.length :], should_stop, progress):
+            for _ in cache.prefill_chunks(wanted[cache.length :], should_stop, progress, chunk_limit):
                 if ticks:
                     yield StreamChunk(text="", prefill=(cache.length, len(wanted)))
         except (PrefillStopped, GeneratorExit):  # a cancelled request: the next one starts from what was read

@@ -149,23 +149,27 @@ class HeldTokens:
         token_ids: Sequence[int],
         should_stop: Callable[[], bool] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        chunk_limit: Callable[[], int | None] | None = None,
     ) -> Generator[int, None, torch.Tensor | None]:
         """A generator over a chunked prefill: yields the tokens done after each chunk, returns what :meth:`prefill` does.
 
-        The caller can do other work between chunks (the server interleaves requests this way).
+        The caller can do other work between chunks (the server interleaves requests this way); ``chunk_limit()``,
+        asked before each chunk, may make it shorter than :attr:`prefill_chunk_tokens` (None: no limit).
         """
         logits = None
-        total = len(token_ids)
-        for start in range(0, total, self.prefill_chunk_tokens):
+        total, start = len(token_ids), 0
+        while start < total:
             if start and should_stop is not None and should_stop():
                 raise PrefillStopped(f"prefill stopped after {start} of {total} tokens")
             if progress is not None and not start:
                 progress(0, total)
-            logits = self.forward(token_ids[start : start + self.prefill_chunk_tokens], num_logits=1)
-            done = min(start + self.prefill_chunk_tokens, total)
+            limit = None if chunk_limit is None else chunk_limit()
+            size = self.prefill_chunk_tokens if not limit else max(1, min(limit, self.prefill_chunk_tokens))
+            logits = self.forward(token_ids[start : start + size], num_logits=1)
+            start = min(start + size, total)
             if progress is not None:
-                progress(done, total)
-            yield done
+                progress(start, total)
+            yield start
         return logits
 
     def prefill(

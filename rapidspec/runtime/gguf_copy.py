@@ -13,7 +13,9 @@ and 6.8 ms.
 The copy is written by ``llama_model_quantize`` (requantizing allowed) into
 ``gguf-copies/`` in the rapidspec cache directory, named by the source's name, size
 and modification time, and made once (a fraction of a second for the
-built-in model's 98 MB); later loads find it there. Where it cannot be
+built-in model's 98 MB); later loads find it there. Writing a copy removes
+the copies of earlier versions of a file of that name (the same model
+installed again has another modification time), so each name keeps one. Where it cannot be
 written (a read-only or full cache folder) nothing partial is left, one
 warning per folder and cause says so
 (:func:`~rapidspec.runtime.cache_dir.cache_write`), and the drafter pool
@@ -30,7 +32,7 @@ import re
 import shutil
 from pathlib import Path
 
-from rapidspec.runtime.cache_dir import cache_root, cache_write
+from rapidspec.runtime.cache_dir import cache_root, cache_write, remove_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,20 @@ def fast_prefill_copy(source: Path, kind: str, threads: int) -> Path | None:
     without = f"no {kind} copy for fast prefill, the drafter reads the file as it is"
     written = cache_write(target, lambda partial: _quantize(source, partial, kind, threads),
                           f"a {kind} copy of {source.name}", without)
+    if written:
+        _drop_older_copies(target, source, kind)
     return target if written else None
+
+
+def _drop_older_copies(target: Path, source: Path, kind: str) -> None:
+    """Remove the ``kind`` copies of earlier versions of a file named as ``source`` (another size or modification
+    time: the same model installed again, or replaced), so each file name keeps one copy. A process still reading
+    one keeps its mapping; the next load of that version writes its copy again."""
+    pattern = re.compile(rf"{re.escape(source.stem)}\.\d+-\d+\.{re.escape(kind)}\.gguf")
+    for old in target.parent.iterdir():
+        if old != target and pattern.fullmatch(old.name):
+            logger.info("removing %s, the %s copy of an earlier %s", old, kind, source.name)
+            remove_quietly(old)
 
 
 def _quantize(source: Path, partial: Path, kind: str, threads: int) -> None:

@@ -80,10 +80,11 @@ class LeanKVCache(HeldTokens):
         return logits.float()  # [num_logits, V]
 
     def prefill_chunks(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None,
-                       progress: Callable[[int, int], None] | None = None) -> Generator[int, None, torch.Tensor | None]:
+                       progress: Callable[[int, int], None] | None = None,
+                       chunk_limit: Callable[[], int | None] | None = None) -> Generator[int, None, torch.Tensor | None]:
         """The chunked prefill of the base class, with room for all of ``token_ids`` reserved once."""
         self.reserve(self.length + len(token_ids))
-        return (yield from super().prefill_chunks(token_ids, should_stop, progress))
+        return (yield from super().prefill_chunks(token_ids, should_stop, progress, chunk_limit))
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (rollback of rejected tokens)."""

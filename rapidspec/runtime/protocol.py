@@ -55,8 +55,10 @@ class KVCacheProtocol(Protocol):
         ...
 
     def prefill_chunks(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None,
-                       progress: Callable[[int, int], None] | None = None) -> Generator[int, None, torch.Tensor | None]:
-        """:meth:`prefill` as a generator: yields the tokens done after each chunk and returns its logits."""
+                       progress: Callable[[int, int], None] | None = None,
+                       chunk_limit: Callable[[], int | None] | None = None) -> Generator[int, None, torch.Tensor | None]:
+        """:meth:`prefill` as a generator: yields the tokens done after each chunk and returns its logits;
+        ``chunk_limit()``, asked before each chunk, may make it shorter (None: no limit)."""
         ...
 
     def crop(self, length: int) -> None:

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from rapidspec import __version__
-from rapidspec.config import MAX_TOKENS, DecodeConfig
+from rapidspec.config import MAX_TOKENS, SHARED_PREFILL_TOKENS, DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig
@@ -48,7 +48,8 @@ class ServerConfig:
     truncation (None = 4 windows); ``read_timeout_s``: how long a client may
     take to send a request's head, or pause within its body
     (:mod:`rapidspec.server.http`); ``allowed_origins``: CORS (empty = off,
-    ``("*",)`` = any).
+    ``("*",)`` = any). ``shared_prefill_tokens``: while other requests run or wait, a prefill feeds at most this
+    many tokens a step, so theirs come between its chunks (0 = whole chunks always).
     """
 
     model_name: str
@@ -64,6 +65,7 @@ class ServerConfig:
     max_document_tokens: int | None = None
     read_timeout_s: float = READ_TIMEOUT_S
     allowed_origins: tuple[str, ...] = ()
+    shared_prefill_tokens: int = SHARED_PREFILL_TOKENS
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -83,6 +85,8 @@ class ServerConfig:
             raise RapidspecError(f"max_request_bytes must be in [1024, 2**31], got {self.max_request_bytes}")
         if self.max_document_tokens is not None and not 1 <= self.max_document_tokens <= MAX_TOKENS:
             raise RapidspecError(f"max_document_tokens must be in [1, {MAX_TOKENS}], got {self.max_document_tokens}")
+        if isinstance(self.shared_prefill_tokens, bool) or not 0 <= self.shared_prefill_tokens <= MAX_TOKENS:
+            raise RapidspecError(f"shared_prefill_tokens must be in [0, {MAX_TOKENS}], got {self.shared_prefill_tokens}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
 
 

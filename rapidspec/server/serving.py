@@ -83,7 +83,9 @@ class GenerationServing:
         def work(emit, cancelled):  # a generator: the worker runs it a step at a time
             emit("ready", None)
             yield
-            stream = state.engine.decode(prompts, decode, should_stop=cancelled.is_set, yield_prefill_chunks=True)
+            shared = config.shared_prefill_tokens  # while others run or wait, a prefill yields every so many tokens
+            stream = state.engine.decode(prompts, decode, should_stop=cancelled.is_set, yield_prefill_chunks=True,
+                                         prefill_chunk_limit=lambda: shared if shared and state.worker.crowded() else None)
             try:
                 for chunk in stream:  # one prefill chunk or one round per step
                     if cancelled.is_set():

@@ -123,6 +123,10 @@ class Worker:
     def running(self) -> int:
         return len(self._running)
 
+    def crowded(self) -> bool:
+        """Whether more than one request runs or waits (a long step would hold the others up)."""
+        return self._waiting + len(self._running) > 1
+
     def submit(self, work: Work) -> Job:
         """Queue ``work`` (:meth:`admit` then :meth:`run`)."""
         job = self.admit()
