@@ -54,7 +54,10 @@ def contexts(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise RapidspecError(f"--contexts takes token counts separated by commas, e.g. 1024,8192; got {text!r}") from None
+        values = [0]
+    if any(v < 2 for v in values):  # before any model loads (the upper bound is the target's window)
+        raise RapidspecError(f"--contexts takes token counts of at least 2 separated by commas, e.g. 1024,8192; "
+                             f"got {text!r}")
     return values
 
 
