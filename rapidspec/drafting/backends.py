@@ -77,13 +77,8 @@ class DrafterPool:
         pending.advance(None)
         return pending.drafter(), reused
 
-    def kept_tokens(self) -> list[tuple[int, ...]]:
-        """What each kept cache holds now (a snapshot: a generation plans its prefill from it)."""
-        with self._idle_lock:
-            return [tuple(cache.token_ids) for cache, _ in self._idle]
-
     def kept_prefix(self, prompt_ids, kept: list[tuple[int, ...]]) -> int:
-        """Tokens of ``prompt_ids[:-1]`` that :meth:`begin` would reuse from the caches ``kept`` (:meth:`kept_tokens`)."""
+        """Tokens of ``prompt_ids[:-1]`` that :meth:`begin` would reuse from caches holding ``kept`` (tokens each)."""
         wanted = list(prompt_ids[:-1])
         best = max((common_prefix_length(tokens, wanted) for tokens in kept), default=0)
         return best if self._worth_reusing(best, wanted) else 0

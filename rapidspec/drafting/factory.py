@@ -160,14 +160,8 @@ class DrafterFactory:
         stats.drafter_prefill_reused_tokens = pending.reused
         return pending
 
-    def kept_tokens(self, config) -> list[tuple[int, ...]]:
-        """What the kept drafter caches of ``config``'s backend hold now ([] without a model drafter)."""
-        if self.drafter_kind(config) != "model":
-            return []
-        return self.pool(config.drafter_backend).kept_tokens()
-
     def kept_prefix(self, prompts, config, kept: list[tuple[int, ...]]) -> int:
-        """Tokens of the drafter's prompt the caches ``kept`` (:meth:`kept_tokens`) hold (0 without a model drafter)."""
+        """Tokens of the drafter's prompt the caches ``kept`` hold, by their tokens (0 without a model drafter)."""
         if self.drafter_kind(config) != "model" or prompts.drafter_ids is None:
             return 0
         return self.pool(config.drafter_backend).kept_prefix(prompts.drafter_ids, kept)

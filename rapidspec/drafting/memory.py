@@ -105,7 +105,8 @@ class ConversationMemory:
 
     def record(self, prompt_ids: Sequence[int], previous: Turn | None, drafted_per_position: Sequence[int],
                accepted_per_position: Sequence[int], drafter_tokens: Sequence[int] = ()) -> Turn:
-        """File a finished answer to ``prompt_ids``, which started from ``previous`` (its :meth:`lookup`)."""
+        """File a finished answer to ``prompt_ids``, which started from ``previous`` (its :meth:`lookup`);
+        ``drafter_tokens``: what its drafter cache holds after it (its prompt less the last token, then the answer)."""
         accepted, drafted = (previous.accepted, previous.drafted) if previous is not None else ((), ())
         size = max(len(drafted), len(drafted_per_position))
         accepted = [x * MEMORY_DECAY for x in accepted] + [0.0] * (size - len(accepted))

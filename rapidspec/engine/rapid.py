@@ -332,10 +332,10 @@ class Rapid:
                 if use_store and consistent:
                     self._keep(target_cache)
                 if consistent and self.drafting.drafter_kind(config) == "model":
-                    drafter_ids = join.prompts.drafter_ids if join.prompts.deferred is None else None
+                    drafter_ids = () if join.prompts.deferred is not None else join.prompts.drafter_ids or ()
+                    left = [*drafter_ids[:-1], *target_seq[len(prompts.target_ids):]] if drafter_ids else ()
                     self.memory.record(prompts.target_ids, previous, stats.drafted_per_position,
-                                       stats.accepted_per_position,
-                                       () if drafter_ids is None else [*drafter_ids[:-1], *target_seq[len(prompts.target_ids):]])
+                                       stats.accepted_per_position, left)
 
     @property
     def disk_store(self) -> DiskKVStore | None:
