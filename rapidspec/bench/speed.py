@@ -39,6 +39,7 @@ import torch
 
 from rapidspec.config import MODES, TARGET_READS_RETRIEVED, USES_DRAFTER, DecodeConfig
 
+from rapidspec.engine.rounds import sync
 from rapidspec.errors import RapidspecError
 from rapidspec.bench.results import BenchReport, Measurement, Result
 from rapidspec.bench.memory import GIB, PeakMemory
@@ -72,11 +73,6 @@ FULL_CONTEXT_MODES = tuple(m for m in MODES if m not in TARGET_READS_RETRIEVED)
 def _median(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _engine_measurement(engine, item: BenchItem, config: DecodeConfig, profile: bool, prefill_progress=None) -> Measurement:
@@ -121,7 +117,7 @@ def hf_assisted_generate(
     eos = sorted(engine.eos_token_ids)
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else eos[0]
     with torch.inference_mode():
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         out = model.generate(
             ids,
@@ -132,7 +128,7 @@ def hf_assisted_generate(
             eos_token_id=None if ignore_eos else eos,
             pad_token_id=pad,
         )
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - started
     new = [int(t) for t in out[0, ids.shape[1] :]]
     if not ignore_eos:  # the engine does not emit EOS (nor padding after it)
