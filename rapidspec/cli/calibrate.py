@@ -11,7 +11,7 @@ name: the drafter's step and prefill, the embedder's cost per token (dense or
 hybrid retrieval) and, with ``--contexts``, the target's verification at those
 context lengths. Each entry says when it was measured, the load average then
 and the share of the CPUs other processes took meanwhile; a measurement beside
-busy processes does not replace a quiet one (the table says so).
+busy processes does not replace a quiet one (the listing says so).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--show", action="store_true", help="show this machine's kept costs; measure nothing")
     parser.add_argument("--clear", action="store_true", help="forget this machine's kept costs (measured again on "
                         "first use)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the listing")
     add_model_options(parser)
     add_retrieval_options(parser)
     parser.set_defaults(handler=run)
