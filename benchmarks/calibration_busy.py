@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.document_once import cpu_line
+from benchmarks.document_once import commit_line, cpu_line
 
 SPIN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
 
@@ -58,9 +58,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--margin", type=float, default=0.15)
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {os.getloadavg()[0]:.2f}; "
-          f"{cpu_line()}; commit {commit}; {' '.join(sys.argv)}")
+          f"{cpu_line()}; {commit_line()}; {' '.join(sys.argv)}")
     costs = Path(tempfile.mkdtemp()) / "step_costs.json"
     results, failures = [], 0
     for round_ in range(args.rounds):

@@ -48,6 +48,12 @@ def cpu_line() -> str:
     return f"{name} ({os.cpu_count()} CPUs): {flags}"
 
 
+def commit_line() -> str:
+    """``commit abc1234`` of the checkout the benchmark runs (rapidspec is installed editable from it)."""
+    return "commit " + subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      timeout=30).stdout.strip()
+
+
 def ask(document: Path, question: str, folder: Path, args) -> dict:
     command = [sys.executable, "-m", "rapidspec", "generate", "--document", str(document), "--question", question,
                "--json", "--quiet", "--mode", args.mode, "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens),

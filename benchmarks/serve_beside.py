@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import shlex
 import statistics
 import sys
@@ -35,7 +34,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.document_once import cpu_line
+from benchmarks.document_once import commit_line, cpu_line
 from rapidspec.bench.serve.process import LaunchConfig, LocalServer
 from rapidspec.demo_document import demo_document
 
@@ -67,10 +66,6 @@ def cases(window: int) -> dict[str, tuple[str, Callable[[], dict]]]:
         "256 tokens with 20 logprobs": ("/v1/chat/completions", lambda: {
             "messages": question, "max_tokens": 256, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}),
     }
-
-
-def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def timed_post(client: httpx.Client, route: str, body: dict, out: dict) -> None:
@@ -139,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: {key: statistics.median(r[key] for r in runs) for key in ("expensive_s", "small_s", "health_max_s")}
                | {"statuses": sorted({r["status"] for r in runs})} for name, runs in results.items()}
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average at the start {load:.2f}; "
-          f"{cpu_line()}; commit {commit()}; {' '.join(sys.argv)}")
+          f"{cpu_line()}; {commit_line()}; {' '.join(sys.argv)}")
     table = Table(title=f"beside expensive requests ({args.target}, window {window}, medians of {args.repeats})")
     for column in ("expensive request", "its status", "its seconds", "small request s", "/health slowest s"):
         table.add_column(column, justify="left" if column == "expensive request" else "right")

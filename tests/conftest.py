@@ -148,14 +148,14 @@ def _long_work_first(items):
     module's shared fixtures), then the rest, each group's tests in their order: the workers (``make test`` passes
     ``--no-loadscope-reorder``, which keeps this order) start the long work at once and the short tests fill the
     end, where pytest-xdist would start groups by their count of tests and the longest ones could come last."""
+    item_scopes = [_scope(item) for item in items]
     scopes: dict[str, tuple[int, int]] = {}  # scope -> (class: 0 real model or vLLM, 1 grouped, 2 other; first index)
-    for index, item in enumerate(items):
-        scope = _scope(item)
+    for index, (item, scope) in enumerate(zip(items, item_scopes)):
         kind = 0 if item.get_closest_marker("slow") or item.get_closest_marker("vllm") else 1 if scope != item.nodeid else 2
         known = scopes.get(scope)
         scopes[scope] = (min(kind, known[0]), known[1]) if known else (kind, index)
-    order = {id(item): (*scopes[_scope(item)], index) for index, item in enumerate(items)}
-    return sorted(items, key=lambda item: order[id(item)])
+    order = sorted(range(len(items)), key=lambda index: (*scopes[item_scopes[index]], index))
+    return [items[index] for index in order]
 
 
 def _scope(item) -> str:

@@ -156,9 +156,9 @@ def measure_verify(cache, pending: Sequence[int], tokens: int, repeats: int = RE
 def measure_drafter(new_cache: Callable[[int], object], token: int, repeats: int = REPEATS) -> DrafterCosts:
     """A drafter's step and prefill costs on a fresh cache from ``new_cache(capacity)`` (dropped afterwards).
 
-    A first prefill and steps at the measured lengths run untimed first (kernels, allocators and the attention
-    paths a runtime picks per shape warm up on them); then a prefill of :data:`DRAFTER_PROBE_TOKENS` tokens and
-    ``repeats`` steps after it are timed.
+    A first prefill and a first step run untimed (kernels, allocators and the attention paths a runtime picks
+    per shape warm up on them); then prefills of :data:`DRAFTER_PROBE_TOKENS` tokens and steps after them, each
+    rolled back, are timed and the fastest of each kept (:func:`fastest`; at least ``repeats`` steps).
     """
     capacity = DRAFTER_PROBE_TOKENS + 2
 
@@ -365,9 +365,10 @@ class EngineCosts:
             self.drafter(config, again)
         if embedder and self.retriever.config.method in ("dense", "hybrid", "auto"):
             self.embedding(again)
-        filler = self.target_model.tokenizer(" the river town kept its boats", add_special_tokens=False)["input_ids"]
+        tokenizer = self.target_model.tokenizer
+        filler = tokenizer(" the river town kept its boats", add_special_tokens=False)["input_ids"] or [self._token]
         for tokens in contexts:
-            seq = ((filler or [self._token]) * (tokens // max(1, len(filler)) + 1))[:tokens]
+            seq = (filler * (tokens // len(filler) + 1))[:tokens]
             cache = new_kv_cache(self.target_model, chunk_tokens)
             cache.reserve(tokens + VERIFY_PROBE_TOKENS)
             for _ in cache.prefill_chunks(seq[:-1], None, progress):

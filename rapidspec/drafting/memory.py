@@ -64,9 +64,7 @@ class Turn:
 
     def estimates(self, positions: int) -> list[float]:
         """a_1..a_positions from this conversation's counts (:data:`MEMORY_PRIOR` where there are none)."""
-        accepted = (list(self.accepted) + [0.0] * positions)[:positions]
-        drafted = (list(self.drafted) + [0.0] * positions)[:positions]
-        return acceptance_estimates(accepted, drafted, ACCEPTANCE_PRIOR_STRENGTH, MEMORY_PRIOR)
+        return _estimates(self.accepted, self.drafted, positions)
 
     def kept(self) -> list[tuple[int, ...]]:
         """The drafter cache this conversation's previous answer left, as the join's plan counts it."""
@@ -75,7 +73,12 @@ class Turn:
 
 def prior_estimates(positions: int) -> list[float]:
     """a_1..a_positions of a conversation with no earlier answers."""
-    return acceptance_estimates([0.0] * positions, [0.0] * positions, ACCEPTANCE_PRIOR_STRENGTH, MEMORY_PRIOR)
+    return _estimates((), (), positions)
+
+
+def _estimates(accepted: Sequence[float], drafted: Sequence[float], positions: int) -> list[float]:
+    pad = lambda counts: (list(counts) + [0.0] * positions)[:positions]  # noqa: E731
+    return acceptance_estimates(pad(accepted), pad(drafted), ACCEPTANCE_PRIOR_STRENGTH, MEMORY_PRIOR)
 
 
 class ConversationMemory:
