@@ -134,6 +134,8 @@ def pytest_collection_modifyitems(items):
         for fixture in FIXTURE_MARKERS.keys() & fixtures:
             for name in FIXTURE_MARKERS[fixture]:
                 item.add_marker(name)
+        if "local_ray" in fixtures and _group(item) != RAY_GROUP:
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))  # one worker runs the Ray tests, one after the other
         if "vllm_offline" in fixtures:  # `pytest -n N --dist loadgroup`: one worker starts the run's vLLM process
             item.add_marker(pytest.mark.xdist_group("vllm-offline"))
         elif item.get_closest_marker("xdist_group") is None and _uses_module_fixtures(item):
@@ -158,9 +160,13 @@ def _long_work_first(items):
     return [items[index] for index in order]
 
 
-def _scope(item) -> str:
+def _group(item) -> str | None:
     group = item.get_closest_marker("xdist_group")
-    return group.args[0] if group is not None and group.args else item.nodeid
+    return group.args[0] if group is not None and group.args else None
+
+
+def _scope(item) -> str:
+    return _group(item) or item.nodeid
 
 
 #: Set on a worker whose grouped tests lost their group: every test there fails with it (a worker's collection error
@@ -252,6 +258,22 @@ def tiny_model(byte_tokenizer):
 @pytest.fixture(scope="session")
 def other_tiny_model(byte_tokenizer):
     return make_tiny_model(1, byte_tokenizer)
+
+
+#: The pytest-xdist group of every test that uses ``local_ray``.
+RAY_GROUP = "ray"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Ray stops once its worker's last Ray test is torn down, its module's fixtures (a Serve app) first: its daemons
+    and Serve's controller would otherwise take CPU from every later test of that worker until the session ends."""
+    result = yield
+    if "local_ray" in getattr(item, "fixturenames", ()) and (nextitem is None or _group(nextitem) != RAY_GROUP):
+        import ray
+
+        ray.shutdown()
+    return result
 
 
 @pytest.fixture(scope="session")

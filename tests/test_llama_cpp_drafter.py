@@ -21,7 +21,7 @@ from rapidspec.prompts import PromptPair
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.cache import common_prefix_length
 from rapidspec.runtime.lean import LeanModel
-from rapidspec.runtime.llama_cpp import LlamaCppModel, llama_cpp_available
+from rapidspec.runtime.llama_cpp import KEPT_IDLE_CONTEXTS, LlamaCppModel, llama_cpp_available
 from tests.tiny_gguf import write_tiny_gguf
 
 # the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
@@ -135,6 +135,26 @@ def test_both_caches_hold_exactly_the_committed_tokens(tiny_model, ggufs):
         observer=observer, gamma_schedule="constant",  # every round drafts: the drafter lags 1-2 tokens
     )
     assert len(checked) == out.stats.rounds >= 5
+
+
+def test_a_freed_context_is_kept_cleared_for_the_next_one_of_its_size(ggufs):
+    """A freed context serves the model's next one of its size: it holds no token of before and its logits equal,
+    exactly, those of a model that never kept one; the model keeps at most KEPT_IDLE_CONTEXTS, the newest."""
+    model, never_kept = LlamaCppModel(ggufs["random"]), LlamaCppModel(ggufs["random"])
+    first = model.new_context(64)
+    first.prefill([t % 200 for t in range(40, 300)])
+    handle = first._ctx
+    del first
+    again = model.new_context(64)
+    assert again._ctx == handle and again.length == 0 and again.token_ids == []
+    prompt = list(range(7, 90))  # ids inside the tiny vocabulary
+    torch.testing.assert_close(again.prefill(prompt), never_kept.new_context(64).prefill(prompt), rtol=0, atol=0)
+    assert model.new_context(64)._ctx != handle  # a context in use is not handed out twice
+    many = [model.new_context(64) for _ in range(KEPT_IDLE_CONTEXTS + 2)]
+    newest = [context._ctx for context in many[-KEPT_IDLE_CONTEXTS:]]
+    while many:  # freed in the order they were made
+        del many[0]
+    assert [ctx for _, _, ctx in model._idle] == newest
 
 
 def test_the_drafter_cache_is_kept_across_questions(tiny_model, ggufs):
