@@ -1,8 +1,8 @@
 """Step costs that a busy machine cannot poison (rapidspec.drafting.calibration, rapidspec.runtime.interference).
 
 A measurement beside other busy processes is marked busy (the share of the CPUs they took is read from
-/proc/stat); a busy entry is measured again by the next process that needs it, a quiet measurement replaces it
-and a busy one never replaces a quiet one. ``rapidspec calibrate`` measures on purpose, shows and forgets.
+/proc/stat); a busy entry is measured again once RECHECK_S have passed since any process measured or checked it,
+a quiet measurement replaces it and a busy one never replaces a quiet one. ``rapidspec calibrate`` measures on purpose, shows and forgets.
 """
 
 from __future__ import annotations
@@ -91,7 +91,10 @@ def _book(path, others: float) -> CostBook:
     return CostBook(path, watch=lambda: _Told(others))
 
 
-def test_a_busy_measurement_never_replaces_a_quiet_one_and_two_busy_keep_the_lower(tmp_path):
+def test_a_busy_measurement_never_replaces_a_quiet_one_and_two_busy_keep_the_lower(tmp_path, monkeypatch):
+    from rapidspec.drafting import calibration
+
+    monkeypatch.setattr(calibration, "RECHECK_S", 0.0)  # every new process checks a busy entry again
     path, calls = tmp_path / "costs.json", []
 
     def measure(value):
@@ -127,6 +130,27 @@ def test_a_busy_entry_of_this_process_is_measured_again_after_the_recheck_time(t
     assert len(calls) == 2
     (entry,) = book.entries()
     assert entry["busy"] and entry["value"] == 0.001 and entry["key"].startswith("embedder")
+
+
+def test_a_busy_entry_is_checked_once_per_recheck_time_whichever_process_asks(tmp_path, monkeypatch):
+    """On a machine that stays busy, a new process reads a busy entry measured or checked less than RECHECK_S
+    ago; once that has passed, one process measures again and, keeping the lower entry, marks it checked."""
+    from rapidspec.drafting import calibration
+
+    path, calls = tmp_path / "costs.json", []
+    measure = lambda value: lambda: calls.append(value) or value  # noqa: E731
+    assert _book(path, 0.5).get(float, "embedder", measure(0.002)) == 0.002  # busy, kept
+    assert _book(path, 0.5).get(float, "embedder", measure(0.003)) == 0.002 and calls == [0.002]  # read: too soon
+    monkeypatch.setattr(calibration, "RECHECK_S", 0.0)
+    assert _book(path, 0.5).get(float, "embedder", measure(0.004)) == 0.002 and calls == [0.002, 0.004]  # checked
+    (entry,) = json.loads(path.read_text())["machines"].popitem()[1].values()
+    assert entry["value"] == 0.002 and entry["checked_at"] >= entry["measured_at"]
+    monkeypatch.setattr(calibration, "RECHECK_S", 600.0)
+    assert _book(path, 0.5).get(float, "embedder", measure(0.001)) == 0.002 and len(calls) == 2  # checked just now
+    entry["checked_at"] = "2000-01-01T00:00:00+00:00"  # long ago
+    path.write_text(json.dumps({**json.loads(path.read_text()), "machines": {
+        machine: {key: entry for key in entries} for machine, entries in json.loads(path.read_text())["machines"].items()}}))
+    assert _book(path, 0.5).get(float, "embedder", measure(0.001)) == 0.001 and calls[-1] == 0.001  # due: lower wins
 
 
 def test_rapidspec_calibrate_measures_shows_and_forgets(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -85,8 +85,9 @@ def _progress(url: str, body: dict) -> list[int]:
 
 
 def test_a_prefill_beside_other_requests_yields_every_shared_tokens(tiny_model):
-    """Alone, a prefill steps a whole chunk (1024 tokens) at a time; while another request runs, at most
-    ``shared_prefill_tokens`` (32), so the other's rounds come between its chunks; with 0, whole chunks always."""
+    """Alone, a prefill steps in pieces that start at ``shared_prefill_tokens`` (32) and at most double, up to a
+    whole chunk (1024 tokens; the tiny model's pieces are far shorter than a second); while another request runs,
+    at most 32 tokens, so the other's rounds come between its chunks; with 0, whole chunks always."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "How many passengers on row 9?"}],
             "documents": [DOCUMENT], "max_tokens": 2, "temperature": 0, "mode": "lc"}
     long_answer = {"model": "tiny", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 4000,
@@ -95,7 +96,12 @@ def test_a_prefill_beside_other_requests_yields_every_shared_tokens(tiny_model):
     for shared, steps_beside in ((32, {32}), (0, {1024})):
         with running_server(rapid, shared_prefill_tokens=shared, max_num_seqs=2) as url:
             alone = _progress(url, body | {"documents": [DOCUMENT.replace("ferry", f"barge {shared}")]})
-            assert {b - a for a, b in zip(alone, alone[1:-1])} == {1024}
+            pieces = [b - a for a, b in zip(alone, alone[1:-1])]
+            if shared:
+                assert pieces[0] == shared and max(pieces) <= 1024, pieces
+                assert all(b <= 2 * a for a, b in zip(pieces, pieces[1:])), pieces
+            else:
+                assert set(pieces) == {1024}
             with HTTP.stream("POST", f"{url}/v1/chat/completions", json=long_answer, timeout=120) as running:
                 lines = running.iter_lines()
                 assert next(line for line in lines if line.startswith("data:"))  # it runs

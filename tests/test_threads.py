@@ -101,14 +101,20 @@ def test_the_worker_thread_computes_with_torch_threads():
 
 
 def test_the_server_prepares_requests_on_helper_threads(tiny_model):
-    """Requests are sized and retrieved (the embedder runs torch) on threads without an OpenMP team."""
+    """Requests are sized and retrieved (the embedder runs torch) on threads without an OpenMP team, and on Linux
+    at a lower priority than the engine's thread, which keeps the process's."""
     from rapidspec import Rapid
+    from rapidspec.runtime.threads import BACKGROUND_NICENESS
     from rapidspec.server import ServerConfig, create_app
 
     app = create_app(Rapid(tiny_model), ServerConfig(model_name="tiny"))
     state = app.state.server
+    niceness = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
     try:
         assert state.preparer.submit(torch.get_num_threads).result(10) == 1
+        if sys.platform == "linux":
+            assert state.preparer.submit(niceness).result(10) == min(19, niceness() + BACKGROUND_NICENESS)
+            assert niceness() == os.getpriority(os.PRIO_PROCESS, 0)  # the test's own thread is untouched
     finally:
         state.worker.stop(10)
         state.preparer.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -105,6 +106,59 @@ def test_running_jobs_take_turns_so_a_short_one_finishes_first():
     log: list[str] = []
     _run_jobs(2, [("long", _steps_then(50, log, "long")), ("short", _steps_then(2, log, "short"))])
     assert log == ["short", "long"]
+
+
+def _beside_a_long_job(batched: bool, max_pause_s: float, short_steps: int) -> list[str]:
+    """A long job (steps of 20 ms, "L" each) runs alone for 1 s of steps; then a short one arrives ("S" a step,
+    20 ms each); the log of their steps once both have ended."""
+    log: list[str] = []
+    ahead = threading.Event()
+
+    def long(emit, cancelled):
+        for step in range(120):
+            time.sleep(0.02)
+            log.append("L")
+            if step == 50:
+                ahead.set()
+            yield
+
+    def short(emit, cancelled):
+        for _ in range(short_steps):
+            time.sleep(0.02)
+            log.append("S")
+            yield
+
+    async def scenario():
+        worker = Worker(8, 2, batched=batched, max_pause_s=max_pause_s)
+        try:
+            jobs = [worker.submit(long)]
+            await asyncio.to_thread(ahead.wait, 30)
+            jobs.append(worker.submit(short))
+            for job in jobs:
+                while (await asyncio.wait_for(job.events.get(), 30))[0] != "end":
+                    pass
+        finally:
+            worker.stop(10)
+
+    asyncio.run(scenario())
+    return log
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_job_that_arrives_beside_a_long_one_takes_its_steps_first(batched):
+    """The long job is a second ahead in served time: the short one's 10 steps (0.2 s) all come before the long
+    one's next step (it would wait up to 30 s)."""
+    log = _beside_a_long_job(batched, max_pause_s=30.0, short_steps=10)
+    first, last = log.index("S"), len(log) - 1 - log[::-1].index("S")
+    assert log[first : last + 1] == ["S"] * 10 and log.count("L") == 120
+
+
+def test_a_job_ahead_waits_at_most_max_pause_s():
+    """With a 0.1 s bound the long job steps between the short one's 30 steps (0.6 s, all of them more than
+    TURN_TOLERANCE_S behind it in served time); with the 30 s bound above it would not."""
+    log = _beside_a_long_job(False, max_pause_s=0.1, short_steps=30)
+    first, last = log.index("S"), len(log) - 1 - log[::-1].index("S")
+    assert "L" in log[first : last + 1] and log.count("S") == 30
 
 
 def test_one_sequence_at_a_time_keeps_arrival_order():

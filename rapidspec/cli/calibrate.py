@@ -102,9 +102,13 @@ def show(entries: list[dict], not_kept: list[dict], book, as_json: bool) -> int:
 
 def describe(entry: dict) -> str:
     """``base 0.0623, per_token 0.0183; measured 2026-11-28T23:47:50+00:00, load 2.02, others took 39% of the CPUs
-    (busy: measured again by the next process that needs it)``."""
+    (busy: measured again 10 minutes after it was measured or last checked)``."""
+    from rapidspec.drafting.calibration import RECHECK_S
+
     figures = ", ".join(f"{name} {entry[name]:.3g}" for name in FIGURES if name in entry)
     others = entry.get("others")
     share = "others' share unknown" if others is None else f"others took {others:.0%} of the CPUs"
-    busy = " (busy: measured again by the next process that needs it)" if entry.get("busy") else ""
+    checked = f", last checked {entry['checked_at']}" if entry.get("checked_at") else ""
+    busy = f" (busy{checked}: measured again {RECHECK_S / 60:g} minutes after it was measured or last checked)" \
+        if entry.get("busy") else ""
     return f"{figures}; measured {entry.get('measured_at', '?')}, load {entry.get('load', '?')}, {share}{busy}"

@@ -48,7 +48,8 @@ def register(subparsers) -> None:
                              "a round each; docs/scaling.md)")
     parser.add_argument("--shared-prefill-tokens", type=int, default=SHARED_PREFILL_TOKENS,
                         help="while other requests run or wait, a long prefill feeds at most this many tokens a step, "
-                             "so their steps come between its chunks (0: whole chunks; default: %(default)s)")
+                             "so their steps come between its chunks; alone, pieces of about a second (0: whole chunks always; "
+                             "default: %(default)s)")
     parser.add_argument("--max-queue", type=int, default=16, help="requests that may wait beyond those; more get 429 (default: %(default)s)")
     parser.add_argument("--recent-messages", type=int, default=DEFAULT_RECENT_MESSAGES,
                         help="earlier chat messages the drafter always reads verbatim (default: %(default)s)")

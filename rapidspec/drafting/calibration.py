@@ -26,8 +26,10 @@ Each size is timed several times and the fastest kept (another process can
 only add time). Every entry says when it was measured, the load average then
 and the share of the machine other processes took meanwhile
 (:mod:`~rapidspec.runtime.interference`); an entry measured beside a busy
-process is marked ``busy`` and measured again, by the next process that needs
-it or after :data:`RECHECK_S` in this one: a quiet measurement replaces it,
+process is marked ``busy`` and measured again once :data:`RECHECK_S` have
+passed since it was measured or last checked, by this process or any other
+(``checked_at``: a machine that stays busy pays a measurement every
+:data:`RECHECK_S`, not one per process): a quiet measurement replaces it,
 another busy one keeps the lower of the two. ``rapidspec calibrate`` measures
 on purpose and shows what is kept.
 """
@@ -68,7 +70,7 @@ COSTS_FORMAT = 3
 REPEATS = 3
 MIN_SAMPLE_S = 0.05
 MAX_REPEATS = 16
-#: A busy entry measured by this process is measured again after this many seconds.
+#: A busy entry is measured again once this many seconds have passed since it was measured or last checked.
 RECHECK_S = 600.0
 #: Tokens a fresh drafter cache prefills to measure its prefill rate (then it steps on them).
 DRAFTER_PROBE_TOKENS = 256
@@ -230,22 +232,31 @@ class CostBook:
             kept = self._memory.get(full_key) or self.stored().get(full_key)
             if _entry_value(kind, kept) is None:
                 kept = None
-            if again or kept is None or (kept.get("busy") and self._due(full_key)):
+            if again or kept is None or (kept.get("busy") and self._due(full_key, kept)):
                 kept = self._measure(kind, full_key, measure, kept)
             self._memory[full_key] = kept
             return _entry_value(kind, kept)
 
-    def _due(self, key: str) -> bool:
+    def _due(self, key: str, kept: dict) -> bool:
+        """Whether a busy entry is measured again: :data:`RECHECK_S` after this process measured it, else after
+        the entry was measured or last checked by any process (an entry of unknown age: now)."""
         measured = self._measured_at.get(key)
-        return measured is None or time.monotonic() - measured >= RECHECK_S
+        if measured is not None:
+            return time.monotonic() - measured >= RECHECK_S
+        try:
+            checked = datetime.datetime.fromisoformat(kept.get("checked_at") or kept["measured_at"])
+            age = (datetime.datetime.now(datetime.timezone.utc) - checked).total_seconds()
+        except (KeyError, TypeError, ValueError):
+            return True
+        return not 0 <= age < RECHECK_S
 
     def _measure(self, kind: type, key: str, measure: Callable[[], object], kept: dict | None) -> dict:
         with self.watch() as watch:
             value = measured_alone(measure)
         self._measured_at[key] = time.monotonic()
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         fresh = asdict(value) if kind is not float else {"value": float(value)}
-        fresh.update(measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                     load=watch.load, others=watch.others, busy=watch.busy)
+        fresh.update(measured_at=now, load=watch.load, others=watch.others, busy=watch.busy)
         entry = fresh
         if kept is not None and watch.busy:
             if not kept.get("busy"):
@@ -256,9 +267,12 @@ class CostBook:
                     "" if entry is fresh else "; beside busy processes, so the earlier entry is kept", self.file())
         if entry is fresh:
             self.not_kept.pop(key, None)
-            self._write(key, entry)
         else:
             self.not_kept[key] = fresh
+            if entry.get("busy"):  # checked now: the next check is RECHECK_S away for every process
+                entry = {**entry, "checked_at": now}
+        if entry is fresh or entry.get("busy"):
+            self._write(key, entry)
         return entry
 
     def stored(self) -> dict[str, dict]:

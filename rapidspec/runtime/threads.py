@@ -24,9 +24,16 @@ also the default of a llama.cpp drafter's threads.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+#: How much lower a background thread's scheduling priority is than its process's (Linux's nice, per thread; 19 at most).
+BACKGROUND_NICENESS = 10
 
 _lock = threading.Lock()
 _compute_threads: int | None = None
@@ -52,6 +59,19 @@ def helper_thread() -> None:
     """This thread runs torch operations on itself alone (no OpenMP team of its own)."""
     compute_threads()
     _use_threads(1)
+
+
+def background_thread() -> None:
+    """A helper thread (:func:`helper_thread`) whose work may wait for the computing thread's: the kernel runs it
+    at a lower priority (Linux's nice is per thread), so preparing a large request (sizing, retrieving, embedding
+    its texts) takes the cores only when the running requests' steps leave them. Where priorities cannot be set,
+    a helper thread as before."""
+    helper_thread()
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICENESS))
+    except (AttributeError, OSError) as err:  # not Linux, or not permitted
+        logger.debug("a background thread keeps its priority: %s", err)
 
 
 def computing_thread() -> None:

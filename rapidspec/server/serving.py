@@ -27,6 +27,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.grammar.tools import with_tool_grammar
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.server.errors import failure
+from rapidspec.server.pieces import PrefillPieces
 from rapidspec.server.responses import FINISH_REASONS, EventStream, PrefillProgress, Reply, error_response, sse
 from rapidspec.server.schemas import GenerationRequest
 from rapidspec.server.state import ServerState
@@ -83,9 +84,9 @@ class GenerationServing:
         def work(emit, cancelled):  # a generator: the worker runs it a step at a time
             emit("ready", None)
             yield
-            shared = config.shared_prefill_tokens  # while others run or wait, a prefill yields every so many tokens
+            pieces = PrefillPieces(config.shared_prefill_tokens, state.worker.crowded)  # a prefill in short steps
             stream = state.engine.decode(prompts, decode, should_stop=cancelled.is_set, yield_prefill_chunks=True,
-                                         prefill_chunk_limit=lambda: shared if shared and state.worker.crowded() else None)
+                                         prefill_chunk_limit=pieces)
             try:
                 for chunk in stream:  # one prefill chunk or one round per step
                     if cancelled.is_set():

@@ -5,8 +5,14 @@ function that uses the engine and reports through ``emit``); the worker
 thread admits jobs in arrival order, up to ``max_num_seqs`` at once, and
 passes their events back to the loop through an ``asyncio.Queue``. A job is a
 generator function: each ``next()`` is one step (a prefill chunk or a decode
-round), and the worker advances its running jobs one step each in turn, so a
+round), and the worker advances its running jobs a step each in turn, so a
 short answer is not held behind a long one (a plain function is one step).
+The turns go to the jobs that have had the least of the thread's time
+(seconds of steps taken, :attr:`Job.served`): a job more than
+:data:`TURN_TOLERANCE_S` ahead of the least-served one waits, for at most
+``max_pause_s`` at a time, so a request that arrives beside a long prefill
+or a long answer has its own first second of steps at once instead of one
+step per step of the long one.
 A full queue refuses new jobs at once (:class:`QueueFull`, the server's 429).
 A request takes its place with :meth:`Worker.admit` before its prompts are
 built (off this thread) and hands its work over with :meth:`Worker.run`, so
@@ -57,6 +63,10 @@ Emit = Callable[[str, object], None]
 Work = Callable[[Emit, threading.Event], Iterator[None] | None]
 #: Batched forwards whose row counts are kept (``Worker.batch_rows``).
 BATCH_HISTORY = 256
+#: Running jobs whose served seconds are within this of the least-served job's take their turns together.
+TURN_TOLERANCE_S = 0.25
+#: A job ahead of the others in served time waits at most this long before its next step (``Worker.max_pause_s``).
+MAX_PAUSE_S = 1.0
 
 
 class QueueFull(Exception):
@@ -72,6 +82,8 @@ class Job:
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.started: float | None = None
+        self.served = 0.0  # seconds of the worker's steps (or ticks) this job took part in
+        self.stepped = 0.0  # perf_counter when its last step ended (when it started, before the first)
         self.checked = time.monotonic()  # when the server last asked whether the client is still there
         self._loop = loop
         self._on_cancel: Callable[[Job], None] | None = None  # set by the worker that queued it
@@ -94,13 +106,17 @@ class Worker:
     """Runs up to ``max_num_seqs`` jobs at once, a step each per turn (``batched``: all at once, forwards batched),
     from a thread of its own; ``max_queue`` may wait."""
 
-    def __init__(self, max_queue: int, max_num_seqs: int = 1, batched: bool = False) -> None:
+    def __init__(self, max_queue: int, max_num_seqs: int = 1, batched: bool = False,
+                 max_pause_s: float = MAX_PAUSE_S) -> None:
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if not max_pause_s >= 0:
+            raise ValueError("max_pause_s must be >= 0")
         self.max_queue = max_queue
         self.max_num_seqs = max_num_seqs
+        self.max_pause_s = max_pause_s
         self.batched = batched and max_num_seqs > 1
         self._pool = ThreadPoolExecutor(max_num_seqs, thread_name_prefix="rapidspec-step",
                                         initializer=helper_thread) if self.batched else None
@@ -206,15 +222,26 @@ class Worker:
                         stopping = True
                     else:
                         self._start(job)
-                if self._pool is not None and len(self._running) > 1:
-                    self._tick()
+                due = self._due()
+                if self._pool is not None and len(due) > 1:
+                    self._tick(due)
                     continue
-                for job, steps in list(self._running):
+                for job, steps in due:
                     self._step(job, steps)
 
-    def _tick(self) -> None:
-        """One step of every running job at once, on the pool's threads, their lean forwards batched."""
-        running = list(self._running)
+    def _due(self) -> list[tuple[Job, Iterator[None]]]:
+        """The running jobs whose turn it is, least served first: those within :data:`TURN_TOLERANCE_S` of the
+        least-served job, and those that have waited ``max_pause_s`` since their last step."""
+        running = sorted(self._running, key=lambda entry: entry[0].served)
+        if not running:
+            return running
+        least, now = running[0][0].served, time.perf_counter()
+        return [(job, steps) for job, steps in running
+                if job.served <= least + TURN_TOLERANCE_S or now - job.stepped >= self.max_pause_s]
+
+    def _tick(self, running: list[tuple[Job, Iterator[None]]]) -> None:
+        """One step of each of ``running`` at once, on the pool's threads, their lean forwards batched."""
+        started = time.perf_counter()
         batcher = ForwardBatcher(len(running), served=True)
 
         def step(steps: Iterator[None]) -> BaseException | None:
@@ -227,7 +254,10 @@ class Worker:
         batcher.serve(lambda: all(future.done() for future in futures))  # the batches run on this thread
         outcomes = [future.result() for future in futures]
         self.batch_rows = (self.batch_rows + batcher.batches)[-BATCH_HISTORY:]
+        ended = time.perf_counter()
         for (job, steps), outcome in zip(running, outcomes):
+            job.served += ended - started
+            job.stepped = ended
             self._settle(job, steps, outcome)
 
     def _start(self, job: Job) -> None:
@@ -238,10 +268,14 @@ class Worker:
             self._queued.discard(job)
             self._waiting -= 1
             self._running.append((job, _steps(job)))
-        job.started = time.perf_counter()
+        job.started = job.stepped = time.perf_counter()
 
     def _step(self, job: Job, steps: Iterator[None]) -> None:
-        self._settle(job, steps, _advance(steps))
+        started = time.perf_counter()
+        outcome = _advance(steps)
+        job.stepped = time.perf_counter()
+        job.served += job.stepped - started
+        self._settle(job, steps, outcome)
 
     def _settle(self, job: Job, steps: Iterator[None], outcome: BaseException | None) -> None:
         """After a step: nothing (it goes on), or the job's end (done, or failed and reported) and its slot freed.
