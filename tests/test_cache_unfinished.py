@@ -62,3 +62,35 @@ def test_serve_says_what_it_dropped(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "removed 1 unfinished cache file(s)" in err and left.name in err
     assert announce_unfinished() == [] and capsys.readouterr().err == ""
+
+
+ASSEMBLER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from rapidspec.models.store import assemble_parts
+
+    print("assembling", flush=True)
+    assemble_parts([Path(sys.argv[1])], Path(sys.argv[2]), 1 << 20, "0" * 64)  # the part is a pipe nobody writes
+""")
+
+
+def test_a_killed_model_install_leaves_a_temporary_serve_drops(tmp_path):
+    """The model store assembles a model file under its writer's pid too: killed while it reads a part (a pipe
+    that never delivers), it leaves a temporary that the sweep at `serve`'s start recognises and removes."""
+    part, models = tmp_path / "part.fifo", tmp_path / "models"
+    os.mkfifo(part)
+    destination = models / "model.gguf"
+    writer = subprocess.Popen([sys.executable, "-c", ASSEMBLER, str(part), str(destination)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert writer.stdout.readline().strip() == "assembling"
+        with open(part, "wb") as feed:  # returns once the assembler has the pipe open: its temporary exists
+            feed.write(b"half of a model")
+            feed.flush()
+            writer.send_signal(signal.SIGKILL)
+            writer.wait(timeout=30)
+    finally:
+        writer.kill()
+    [left] = [p for p in models.iterdir() if p.name.startswith(".model.gguf.")]
+    assert not destination.exists()
+    assert drop_unfinished(tmp_path) == [left] and not left.exists()

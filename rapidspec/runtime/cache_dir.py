@@ -68,7 +68,7 @@ def cache_write(target: Path, write: Callable[[Path], None], what: str, without:
     into place first counts as written. Any other exception removes the
     temporary and propagates.
     """
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+    temporary = temporary_path(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write(temporary)
@@ -81,8 +81,14 @@ def cache_write(target: Path, write: Callable[[Path], None], what: str, without:
         remove_quietly(temporary)
 
 
-#: The name :func:`cache_write` gives a temporary: ``.<target's name>.<writer's pid>.<12 hex digits>.tmp``.
+#: The name of a temporary (:func:`temporary_path`): ``.<target's name>.<writer's pid>.<12 hex digits>.tmp``.
 _TEMPORARY = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{12}\.tmp$")
+
+
+def temporary_path(target: Path) -> Path:
+    """A new hidden sibling of ``target`` to write before a rename, named after this process: where the writer
+    is killed, :func:`drop_unfinished` knows it for one (:func:`cache_write`, the model store, export)."""
+    return target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
 
 
 def drop_unfinished(root: Path | None = None) -> list[Path]:
