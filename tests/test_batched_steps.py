@@ -86,6 +86,8 @@ def test_the_batcher_runs_one_forward_for_the_tick(lean_target, lean_drafter):
     batcher = ForwardBatcher(len(prompts))
     outputs, caches = _threads_forwarding(batcher, lean_target.lean, prompts)
     assert batcher.batches == [4] and current_batcher() is None
+    assert sorted(batcher.tokens.values()) == sorted(map(len, prompts))  # what each step's thread fed (the worker's
+    # scheduling charges a tick's seconds by it)
     for prompt, logits, cache in zip(prompts, outputs, caches):
         torch.testing.assert_close(logits, LeanKVCache(lean_target.lean).forward(prompt), atol=1e-5, rtol=1e-5)
         assert cache.token_ids == prompt

@@ -101,8 +101,8 @@ def test_the_worker_thread_computes_with_torch_threads():
 
 
 def test_the_server_prepares_requests_on_helper_threads(tiny_model):
-    """Requests are sized and retrieved (the embedder runs torch) on threads without an OpenMP team, and on Linux
-    at a lower priority than the engine's thread, which keeps the process's."""
+    """Requests are sized and retrieved (the embedder runs torch) on threads without an OpenMP team; those with
+    large texts, on Linux, at a lower priority than the engine's thread, which keeps the process's."""
     from rapidspec import Rapid
     from rapidspec.runtime.threads import BACKGROUND_NICENESS
     from rapidspec.server import ServerConfig, create_app
@@ -111,10 +111,35 @@ def test_the_server_prepares_requests_on_helper_threads(tiny_model):
     state = app.state.server
     niceness = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
     try:
-        assert state.preparer.submit(torch.get_num_threads).result(10) == 1
+        for pool in (state.preparer, state.background_preparer):
+            assert pool.submit(torch.get_num_threads).result(10) == 1
         if sys.platform == "linux":
-            assert state.preparer.submit(niceness).result(10) == min(19, niceness() + BACKGROUND_NICENESS)
+            assert state.preparer.submit(niceness).result(10) == niceness()
+            assert state.background_preparer.submit(niceness).result(10) == min(19, niceness() + BACKGROUND_NICENESS)
             assert niceness() == os.getpriority(os.PRIO_PROCESS, 0)  # the test's own thread is untouched
     finally:
         state.worker.stop(10)
         state.preparer.shutdown()
+        state.background_preparer.shutdown()
+
+
+def test_a_request_with_large_texts_is_prepared_on_the_lower_priority_threads(tiny_model):
+    """A request whose texts hold BACKGROUND_PREPARE_CHARACTERS or more is prepared on the background pool, a
+    small one on the other: a small request's own preparation never waits behind the engine's steps."""
+    from rapidspec import Rapid
+    from rapidspec.server.serving import BACKGROUND_PREPARE_CHARACTERS
+    from tests.server_harness import HTTP, running_server
+
+    threads: list[str] = []
+    apps: list = []
+    with running_server(Rapid(tiny_model), apps=apps) as url:
+        state = apps[0].state.server
+        for pool in (state.preparer, state.background_preparer):
+            submit = pool.submit
+            pool.submit = lambda fn, *a, _submit=submit: _submit(lambda: (threads.append(
+                threading.current_thread().name), fn(*a))[1])
+        for document, status in (("a short note", 200), ("x " * (BACKGROUND_PREPARE_CHARACTERS // 2), 400)):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi?"}], "documents": [document],
+                    "max_tokens": 1, "mode": "lc", "truncate": "middle"}  # the large one: sized there, too long
+            assert HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == status
+    assert [name.rsplit("_", 1)[0] for name in threads] == ["rapidspec-prepare", "rapidspec-prepare-large"]

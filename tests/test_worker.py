@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from rapidspec.server.worker import QueueFull, Worker
+from rapidspec.runtime.batching import current_batcher
+from rapidspec.server.worker import Job, QueueFull, Worker
 
 
 @pytest.mark.parametrize("max_queue", [0, 2])
@@ -108,34 +109,36 @@ def test_running_jobs_take_turns_so_a_short_one_finishes_first():
     assert log == ["short", "long"]
 
 
-def _beside_a_long_job(batched: bool, max_pause_s: float, short_steps: int) -> list[str]:
-    """A long job (steps of 20 ms, "L" each) runs alone for 1 s of steps; then a short one arrives ("S" a step,
-    20 ms each); the log of their steps once both have ended."""
+def _beside_a_long_job(batched: bool, long_step_s: float, short_steps: int, short_step_s: float,
+                       fed: tuple[int, int] = (0, 0)) -> list[str]:
+    """A long job ("L" a step of ``long_step_s``) runs alone for 0.5 s of steps; then a short one arrives ("S" a
+    step of ``short_step_s``). ``fed``: tokens each job's steps report to the tick's batcher (as a batched
+    forward of that many rows does). The log of their steps once both have ended."""
     log: list[str] = []
     ahead = threading.Event()
 
-    def long(emit, cancelled):
-        for step in range(120):
-            time.sleep(0.02)
-            log.append("L")
-            if step == 50:
-                ahead.set()
-            yield
-
-    def short(emit, cancelled):
-        for _ in range(short_steps):
-            time.sleep(0.02)
-            log.append("S")
-            yield
+    def job(name: str, steps: int, seconds: float, tokens: int):
+        def work(emit, cancelled):
+            for step in range(steps):
+                time.sleep(seconds)
+                batcher = current_batcher()
+                if batcher is not None:
+                    thread = threading.get_ident()
+                    batcher.tokens[thread] = batcher.tokens.get(thread, 0) + tokens
+                log.append(name)
+                if name == "L" and step * seconds >= 0.5:
+                    ahead.set()
+                yield
+        return work
 
     async def scenario():
-        worker = Worker(8, 2, batched=batched, max_pause_s=max_pause_s)
+        worker = Worker(8, 2, batched=batched, max_pause_s=30.0)
         try:
-            jobs = [worker.submit(long)]
+            jobs = [worker.submit(job("L", 40, long_step_s, fed[0]))]
             await asyncio.to_thread(ahead.wait, 30)
-            jobs.append(worker.submit(short))
-            for job in jobs:
-                while (await asyncio.wait_for(job.events.get(), 30))[0] != "end":
+            jobs.append(worker.submit(job("S", short_steps, short_step_s, fed[1])))
+            for submitted in jobs:
+                while (await asyncio.wait_for(submitted.events.get(), 30))[0] != "end":
                     pass
         finally:
             worker.stop(10)
@@ -144,21 +147,47 @@ def _beside_a_long_job(batched: bool, max_pause_s: float, short_steps: int) -> l
     return log
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_a_job_that_arrives_beside_a_long_one_takes_its_steps_first(batched):
-    """The long job is a second ahead in served time: the short one's 10 steps (0.2 s) all come before the long
-    one's next step (it would wait up to 30 s)."""
-    log = _beside_a_long_job(batched, max_pause_s=30.0, short_steps=10)
+def _long_steps_among_the_short(log: list[str]) -> int:
     first, last = log.index("S"), len(log) - 1 - log[::-1].index("S")
-    assert log[first : last + 1] == ["S"] * 10 and log.count("L") == 120
+    return log[first : last + 1].count("L")
 
 
-def test_a_job_ahead_waits_at_most_max_pause_s():
-    """With a 0.1 s bound the long job steps between the short one's 30 steps (0.6 s, all of them more than
-    TURN_TOLERANCE_S behind it in served time); with the 30 s bound above it would not."""
-    log = _beside_a_long_job(False, max_pause_s=0.1, short_steps=30)
-    first, last = log.index("S"), len(log) - 1 - log[::-1].index("S")
-    assert "L" in log[first : last + 1] and log.count("S") == 30
+def test_a_job_of_cheap_steps_beside_one_of_dear_steps_takes_most_turns():
+    """Turns in turn, the short job's 10 steps of 5 ms would come one per 100-ms step of the long one (9 long
+    steps among them); by served time the long one waits once it is TURN_TOLERANCE_S ahead, after about 3."""
+    log = _beside_a_long_job(False, long_step_s=0.1, short_steps=10, short_step_s=0.005)
+    assert log.count("S") == 10 and _long_steps_among_the_short(log) <= 4, log
+
+
+def test_a_batched_tick_is_shared_by_the_tokens_each_step_fed():
+    """Batched, the two jobs' steps share ticks of 50 ms; the long job's steps feed 64 tokens, the short one's 1,
+    so the long one is charged 65/67 of each tick, leads by TURN_TOLERANCE_S after about 5 and waits while the
+    short one's steps (10 ms alone) end. Had the ticks been charged alike, the two would stay level and tick
+    together all along (10 long among the 10 short)."""
+    log = _beside_a_long_job(True, long_step_s=0.05, short_steps=10, short_step_s=0.01, fed=(64, 1))
+    assert log.count("S") == 10 and _long_steps_among_the_short(log) <= 7, log
+
+
+def test_turns_go_to_the_least_served_and_to_jobs_that_waited_max_pause_s():
+    worker = Worker(8, 4, max_pause_s=1.0)
+    try:
+        now = time.perf_counter()
+        jobs = []
+        for served, stepped in ((5.0, now), (4.9, now - 2.0), (1.0, now), (1.2, now)):
+            job = Job(None, asyncio.new_event_loop())
+            job.served, job.stepped = served, stepped
+            jobs.append((job, iter(())))
+        worker._running = list(jobs)
+        # 1.2 is within 0.25 of the least (1.0); 4.9 has waited 2 s; 5.0 waits
+        assert [job.served for job, _ in worker._due()] == [1.0, 1.2, 4.9]
+        worker._running = []
+        worker._queued.add(new := Job(None, asyncio.new_event_loop()))
+        worker._running = [jobs[0], jobs[3]]
+        worker._start(new)
+        assert new.served == 1.2  # level with the least-served running job, not ahead of every one
+    finally:
+        worker._running = []
+        worker.stop(10)
 
 
 def test_one_sequence_at_a_time_keeps_arrival_order():

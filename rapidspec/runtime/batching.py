@@ -112,6 +112,7 @@ class ForwardBatcher:
         self.active = participants  # steps not done yet
         self.timeout_s = timeout_s
         self.batches: list[int] = []  # rows of each batch run (for tests and logs)
+        self.tokens: dict[int, int] = {}  # tokens each step's thread fed the batched forwards (by thread ident)
         self._pending: list[_Pending] = []
         self._calls: list[_Call] = []
         self._lock = threading.Condition()
@@ -121,6 +122,8 @@ class ForwardBatcher:
         """Queue ``row`` of ``lean``, run the batch when the tick is ready, return this row's logits."""
         item = _Pending(lean, row)
         with self._lock:
+            thread = threading.get_ident()
+            self.tokens[thread] = self.tokens.get(thread, 0) + int(row.token_ids.numel())
             self._pending.append(item)
             self._run_if_ready()
         if not item.done.wait(self.timeout_s):

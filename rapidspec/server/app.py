@@ -105,6 +105,7 @@ def create_app(engine, config: ServerConfig, fleet=None) -> FastAPI:
         if fleet is not None:
             fleet.stop()  # a replica shutting down stops reporting (the board drops it after STALE_AFTER_S)
         state.preparer.shutdown(wait=False, cancel_futures=True)
+        state.background_preparer.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(state.worker.stop)
 
     app = FastAPI(title="rapidspec", version=__version__, lifespan=lifespan)

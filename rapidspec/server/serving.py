@@ -40,6 +40,10 @@ class _Cancelled(Exception):
     """The client went away."""
 
 
+#: A request whose texts hold at least this many characters (about 16K tokens) is prepared at a lower priority.
+BACKGROUND_PREPARE_CHARACTERS = 64 * 1024
+
+
 class GenerationServing:
     """Answers ``/v1/chat/completions`` and ``/v1/completions`` over one :class:`ServerState`."""
 
@@ -70,9 +74,11 @@ class GenerationServing:
                                              recent_messages=recent, raw=not chat,
                                              retriever=state.retriever_for(retrieval), tools=tools)
 
+        characters = sum(map(len, documents)) + sum(len(m.content) for m in messages) + len(body.query or "")
+        large = characters >= BACKGROUND_PREPARE_CHARACTERS  # its retrieval may embed for seconds
         job = state.worker.admit()  # 429 when the line is full; preparing requests count
         try:
-            prompts = await self._prepare(job, request, prepare)
+            prompts = await self._prepare(job, request, prepare, state.background_preparer if large else state.preparer)
         except _Cancelled:
             state.metrics.failed("cancelled")
             return Response(status_code=204)
@@ -118,9 +124,9 @@ class GenerationServing:
             return EventStream(self._stream_events(job, request, reply, arrived), lambda: self._left(job))
         return await self._complete(job, request, reply, arrived)
 
-    async def _prepare(self, job: Job, request: Request, prepare):
-        """``prepare()`` (size check, retrieval, prompts) on the preparing threads; _Cancelled when the client left."""
-        future = asyncio.get_running_loop().run_in_executor(self.state.preparer, prepare)
+    async def _prepare(self, job: Job, request: Request, prepare, pool):
+        """``prepare()`` (size check, retrieval, prompts) on ``pool``'s threads; _Cancelled when the client left."""
+        future = asyncio.get_running_loop().run_in_executor(pool, prepare)
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an abandoned one's error is not logged
         while True:
             done, _ = await asyncio.wait({future}, timeout=self.state.config.disconnect_poll_seconds)

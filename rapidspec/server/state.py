@@ -16,7 +16,7 @@ from fastapi import Request
 
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
-from rapidspec.runtime.threads import background_thread
+from rapidspec.runtime.threads import background_thread, helper_thread
 from rapidspec.server.capacity import concurrent_sequences, free_memory_bytes, kv_bytes_per_token
 from rapidspec.server.http import Drain
 from rapidspec.server.metrics import ServerMetrics
@@ -43,10 +43,11 @@ class ServerState:
                                      prefix_cache_bytes=lambda: engine.prefix_cache.bytes_used)
         self.tokens = ServerTokens(engine.tokenizer, config.max_document_tokens or 4 * window)
         self.pieces = TokenPieces(engine.tokenizer)
-        # requests are prepared (sized, retrieved, rendered) here, as many at once as may be admitted, at a lower
-        # priority than the engine's steps (a large document's embedding would slow every running request)
-        self.preparer = ThreadPoolExecutor(config.max_queue + self.worker.max_num_seqs, "rapidspec-prepare",
-                                           initializer=background_thread)
+        # requests are prepared (sized, retrieved, rendered) here, as many at once as may be admitted; those with
+        # large texts at a lower priority than the engine's steps (their embedding would slow every running request)
+        slots = config.max_queue + self.worker.max_num_seqs
+        self.preparer = ThreadPoolExecutor(slots, "rapidspec-prepare", initializer=helper_thread)
+        self.background_preparer = ThreadPoolExecutor(slots, "rapidspec-prepare-large", initializer=background_thread)
         self.started = int(time.time())
         self.drain = Drain()  # begun on SIGTERM (rapidspec.server.http.DrainingServer)
         self._retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()

@@ -8,11 +8,13 @@ generator function: each ``next()`` is one step (a prefill chunk or a decode
 round), and the worker advances its running jobs a step each in turn, so a
 short answer is not held behind a long one (a plain function is one step).
 The turns go to the jobs that have had the least of the thread's time
-(seconds of steps taken, :attr:`Job.served`): a job more than
-:data:`TURN_TOLERANCE_S` ahead of the least-served one waits, for at most
-``max_pause_s`` at a time, so a request that arrives beside a long prefill
-or a long answer has its own first second of steps at once instead of one
-step per step of the long one.
+(:attr:`Job.served`: the seconds of their steps; a batched tick's seconds
+shared in proportion to the tokens each step fed its forwards, plus one):
+a job more than :data:`TURN_TOLERANCE_S` ahead of the least-served one
+waits, for at most ``max_pause_s`` at a time. A job starts level with the
+least-served running one, so requests of alike steps advance together,
+while one beside a long prefill or a long answer's wide rounds soon has its
+steps to itself, instead of one step per step of the long one.
 A full queue refuses new jobs at once (:class:`QueueFull`, the server's 429).
 A request takes its place with :meth:`Worker.admit` before its prompts are
 built (off this thread) and hands its work over with :meth:`Worker.run`, so
@@ -82,7 +84,7 @@ class Job:
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.started: float | None = None
-        self.served = 0.0  # seconds of the worker's steps (or ticks) this job took part in
+        self.served = 0.0  # seconds of the worker's time this job's steps took (Worker's docstring)
         self.stepped = 0.0  # perf_counter when its last step ended (when it started, before the first)
         self.checked = time.monotonic()  # when the server last asked whether the client is still there
         self._loop = loop
@@ -244,19 +246,24 @@ class Worker:
         started = time.perf_counter()
         batcher = ForwardBatcher(len(running), served=True)
 
-        def step(steps: Iterator[None]) -> BaseException | None:
+        def step(steps: Iterator[None]) -> tuple[BaseException | None, int]:
+            """The step's outcome and the tokens it fed the batched forwards (a pool thread may run two steps)."""
+            thread = threading.get_ident()
+            before = batcher.tokens.get(thread, 0)
             with torch.inference_mode(), batching(batcher):
-                return _advance(steps)
+                outcome = _advance(steps)
+            return outcome, batcher.tokens.get(thread, 0) - before
 
         futures = [self._pool.submit(step, steps) for _, steps in running]
         for future in futures:
             future.add_done_callback(lambda _: batcher.wake())
         batcher.serve(lambda: all(future.done() for future in futures))  # the batches run on this thread
-        outcomes = [future.result() for future in futures]
+        results = [future.result() for future in futures]
         self.batch_rows = (self.batch_rows + batcher.batches)[-BATCH_HISTORY:]
         ended = time.perf_counter()
-        for (job, steps), outcome in zip(running, outcomes):
-            job.served += ended - started
+        weights = [fed + 1 for _, fed in results]
+        for (job, steps), (outcome, _), weight in zip(running, results, weights):
+            job.served += (ended - started) * weight / sum(weights)
             job.stepped = ended
             self._settle(job, steps, outcome)
 
@@ -267,6 +274,7 @@ class Worker:
                 return
             self._queued.discard(job)
             self._waiting -= 1
+            job.served = min((other.served for other, _ in self._running), default=0.0)  # level with the least
             self._running.append((job, _steps(job)))
         job.started = job.stepped = time.perf_counter()
 
