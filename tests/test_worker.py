@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rapidspec.runtime.batching import current_batcher
-from rapidspec.server.worker import Job, QueueFull, Worker
+from rapidspec.server.worker import HEAD_START_S, Job, QueueFull, Worker
 
 
 @pytest.mark.parametrize("max_queue", [0, 2])
@@ -111,7 +111,7 @@ def test_running_jobs_take_turns_so_a_short_one_finishes_first():
 
 def _beside_a_long_job(batched: bool, long_step_s: float, short_steps: int, short_step_s: float,
                        fed: tuple[int, int] = (0, 0)) -> list[str]:
-    """A long job ("L" a step of ``long_step_s``) runs alone for 0.5 s of steps; then a short one arrives ("S" a
+    """A long job ("L" a step of ``long_step_s``, 60 of them) runs alone for 0.5 s of steps; then a short one arrives ("S" a
     step of ``short_step_s``). ``fed``: tokens each job's steps report to the tick's batcher (as a batched
     forward of that many rows does). The log of their steps once both have ended."""
     log: list[str] = []
@@ -134,7 +134,7 @@ def _beside_a_long_job(batched: bool, long_step_s: float, short_steps: int, shor
     async def scenario():
         worker = Worker(8, 2, batched=batched, max_pause_s=30.0)
         try:
-            jobs = [worker.submit(job("L", 40, long_step_s, fed[0]))]
+            jobs = [worker.submit(job("L", 60, long_step_s, fed[0]))]
             await asyncio.to_thread(ahead.wait, 30)
             jobs.append(worker.submit(job("S", short_steps, short_step_s, fed[1])))
             for submitted in jobs:
@@ -154,18 +154,19 @@ def _long_steps_among_the_short(log: list[str]) -> int:
 
 def test_a_job_of_cheap_steps_beside_one_of_dear_steps_takes_most_turns():
     """Turns in turn, the short job's 10 steps of 5 ms would come one per 100-ms step of the long one (9 long
-    steps among them); by served time the long one waits once it is TURN_TOLERANCE_S ahead, after about 3."""
+    steps among them); by served time the new job's head start is all it needs (the long one waits)."""
     log = _beside_a_long_job(False, long_step_s=0.1, short_steps=10, short_step_s=0.005)
     assert log.count("S") == 10 and _long_steps_among_the_short(log) <= 4, log
 
 
 def test_a_batched_tick_is_shared_by_the_tokens_each_step_fed():
-    """Batched, the two jobs' steps share ticks of 50 ms; the long job's steps feed 64 tokens, the short one's 1,
-    so the long one is charged 65/67 of each tick, leads by TURN_TOLERANCE_S after about 5 and waits while the
-    short one's steps (10 ms alone) end. Had the ticks been charged alike, the two would stay level and tick
-    together all along (10 long among the 10 short)."""
-    log = _beside_a_long_job(True, long_step_s=0.05, short_steps=10, short_step_s=0.01, fed=(64, 1))
-    assert log.count("S") == 10 and _long_steps_among_the_short(log) <= 7, log
+    """Batched, the short job (100 steps of 10 ms) spends its head start alone, then shares ticks of 50 ms with
+    the long one; the long job's steps feed 64 tokens, the short one's 1, so the long one is charged 65/67 of
+    each shared tick, leads by TURN_TOLERANCE_S after about 5 and waits while the short one catches up alone
+    (about 25 steps), and so on: about 10 long steps among the short ones. Had the ticks been charged alike,
+    the two would tick together from the end of the head start on (about 50, or all the long one has left)."""
+    log = _beside_a_long_job(True, long_step_s=0.05, short_steps=100, short_step_s=0.01, fed=(64, 1))
+    assert log.count("S") == 100 and _long_steps_among_the_short(log) <= 20, log
 
 
 def test_turns_go_to_the_least_served_and_to_jobs_that_waited_max_pause_s():
@@ -184,7 +185,7 @@ def test_turns_go_to_the_least_served_and_to_jobs_that_waited_max_pause_s():
         worker._queued.add(new := Job(None, asyncio.new_event_loop()))
         worker._running = [jobs[0], jobs[3]]
         worker._start(new)
-        assert new.served == 1.2  # level with the least-served running job, not ahead of every one
+        assert new.served == 1.2 - HEAD_START_S  # behind the least-served running job, not level with the others
     finally:
         worker._running = []
         worker.stop(10)

@@ -11,10 +11,12 @@ The turns go to the jobs that have had the least of the thread's time
 (:attr:`Job.served`: the seconds of their steps; a batched tick's seconds
 shared in proportion to the tokens each step fed its forwards, plus one):
 a job more than :data:`TURN_TOLERANCE_S` ahead of the least-served one
-waits, for at most ``max_pause_s`` at a time. A job starts level with the
-least-served running one, so requests of alike steps advance together,
-while one beside a long prefill or a long answer's wide rounds soon has its
-steps to itself, instead of one step per step of the long one.
+waits, for at most ``max_pause_s`` at a time. A new job starts
+:data:`HEAD_START_S` behind the least-served running one: its first half
+second of steps comes before the others' next steps, however long theirs
+are (a long prefill's piece, a long answer's wide rounds), and from then on
+requests of alike steps advance together while dear steps wait for cheap
+ones.
 A full queue refuses new jobs at once (:class:`QueueFull`, the server's 429).
 A request takes its place with :meth:`Worker.admit` before its prompts are
 built (off this thread) and hands its work over with :meth:`Worker.run`, so
@@ -69,6 +71,8 @@ BATCH_HISTORY = 256
 TURN_TOLERANCE_S = 0.25
 #: A job ahead of the others in served time waits at most this long before its next step (``Worker.max_pause_s``).
 MAX_PAUSE_S = 1.0
+#: A new job starts this far behind the least-served running one: about half a second of steps to itself.
+HEAD_START_S = 0.75
 
 
 class QueueFull(Exception):
@@ -274,7 +278,9 @@ class Worker:
                 return
             self._queued.discard(job)
             self._waiting -= 1
-            job.served = min((other.served for other, _ in self._running), default=0.0)  # level with the least
+            # HEAD_START_S behind the least-served running job: its first steps (its prefill, its first tokens) come
+            # at once, before the others' next, however long their steps are
+            job.served = min((other.served for other, _ in self._running), default=HEAD_START_S) - HEAD_START_S
             self._running.append((job, _steps(job)))
         job.started = job.stepped = time.perf_counter()
 
