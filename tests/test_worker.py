@@ -111,9 +111,9 @@ def test_running_jobs_take_turns_so_a_short_one_finishes_first():
 
 def _beside_a_long_job(batched: bool, long_step_s: float, short_steps: int, short_step_s: float,
                        fed: tuple[int, int] = (0, 0)) -> list[str]:
-    """A long job ("L" a step of ``long_step_s``, 60 of them) runs alone for 0.5 s of steps; then a short one arrives ("S" a
-    step of ``short_step_s``). ``fed``: tokens each job's steps report to the tick's batcher (as a batched
-    forward of that many rows does). The log of their steps once both have ended."""
+    """A long job ("L" a step of ``long_step_s``, 60 of them) runs alone for 0.5 s of steps; then a short one
+    arrives ("S" a step of ``short_step_s``). ``fed``: tokens each job's steps report to the tick's batcher (as a
+    batched forward of that many rows does). The log of their steps once both have ended."""
     log: list[str] = []
     ahead = threading.Event()
 
