@@ -11,12 +11,12 @@ The turns go to the jobs that have had the least of the thread's time
 (:attr:`Job.served`: the seconds of their steps; a batched tick's seconds
 shared in proportion to the tokens each step fed its forwards, plus one):
 a job more than :data:`TURN_TOLERANCE_S` ahead of the least-served one
-waits, for at most ``max_pause_s`` at a time. A new job starts
-:data:`HEAD_START_S` behind the least-served running one: its first half
-second of steps comes before the others' next steps, however long theirs
-are (a long prefill's piece, a long answer's wide rounds), and from then on
-requests of alike steps advance together while dear steps wait for cheap
-ones.
+waits, for at most ``max_pause_s`` at a time. Where the last turn was long
+(:data:`LONG_TURN_S`: a long prefill's piece, a long answer's wide rounds) a
+new job starts :data:`HEAD_START_S` behind the least-served running one, so
+its first half second of steps comes before the others' next; where turns
+are short (alike decode steps in a batch) it starts level with it and joins
+the batch. From then on dear steps wait for cheap ones.
 A full queue refuses new jobs at once (:class:`QueueFull`, the server's 429).
 A request takes its place with :meth:`Worker.admit` before its prompts are
 built (off this thread) and hands its work over with :meth:`Worker.run`, so
@@ -71,8 +71,12 @@ BATCH_HISTORY = 256
 TURN_TOLERANCE_S = 0.25
 #: A job ahead of the others in served time waits at most this long before its next step (``Worker.max_pause_s``).
 MAX_PAUSE_S = 1.0
-#: A new job starts this far behind the least-served running one: about half a second of steps to itself.
+#: A new job starts this far behind the least-served running one where the worker's last turn (a step, or a
+#: batched tick) took :data:`LONG_TURN_S` or more: about half a second of steps to itself.
 HEAD_START_S = 0.75
+#: A turn at least this long (a long prefill's piece, wide rounds) gives a new job its head start; shorter ones
+#: (alike decode steps in a batch) do not, so a new job does not hold up a batch that moves quickly anyway.
+LONG_TURN_S = 0.25
 
 
 class QueueFull(Exception):
@@ -131,6 +135,7 @@ class Worker:
         self._waiting = 0
         self._queued: set[Job] = set()  # submitted, not yet taken by the thread nor cancelled
         self._running: list[tuple[Job, Iterator[None]]] = []
+        self._last_turn_s = 0.0  # seconds of the last step or batched tick
         self._stopped = False
         self.heap = HeapTrimmer()  # freed memory back to the system as requests end (rapidspec.runtime.heap)
         self._lock = threading.Lock()
@@ -265,6 +270,7 @@ class Worker:
         results = [future.result() for future in futures]
         self.batch_rows = (self.batch_rows + batcher.batches)[-BATCH_HISTORY:]
         ended = time.perf_counter()
+        self._last_turn_s = ended - started
         weights = [fed + 1 for _, fed in results]
         for (job, steps), (outcome, _), weight in zip(running, results, weights):
             job.served += (ended - started) * weight / sum(weights)
@@ -278,9 +284,10 @@ class Worker:
                 return
             self._queued.discard(job)
             self._waiting -= 1
-            # HEAD_START_S behind the least-served running job: its first steps (its prefill, its first tokens) come
-            # at once, before the others' next, however long their steps are
-            job.served = min((other.served for other, _ in self._running), default=HEAD_START_S) - HEAD_START_S
+            # behind the least-served running job where turns are long: its first steps (its prefill, its first
+            # tokens) come before the others' next; level with it where turns are short
+            head = HEAD_START_S if self._last_turn_s >= LONG_TURN_S else 0.0
+            job.served = min((other.served for other, _ in self._running), default=head) - head
             self._running.append((job, _steps(job)))
         job.started = job.stepped = time.perf_counter()
 
@@ -288,7 +295,8 @@ class Worker:
         started = time.perf_counter()
         outcome = _advance(steps)
         job.stepped = time.perf_counter()
-        job.served += job.stepped - started
+        self._last_turn_s = job.stepped - started
+        job.served += self._last_turn_s
         self._settle(job, steps, outcome)
 
     def _settle(self, job: Job, steps: Iterator[None], outcome: BaseException | None) -> None:
