@@ -267,12 +267,12 @@ class CostBook:
                     "" if entry is fresh else "; beside busy processes, so the earlier entry is kept", self.file())
         if entry is fresh:
             self.not_kept.pop(key, None)
+            self._write(key, entry)
         else:
             self.not_kept[key] = fresh
             if entry.get("busy"):  # checked now: the next check is RECHECK_S away for every process
                 entry = {**entry, "checked_at": now}
-        if entry is fresh or entry.get("busy"):
-            self._write(key, entry)
+                self._write(key, entry)
         return entry
 
     def stored(self) -> dict[str, dict]:

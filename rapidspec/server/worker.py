@@ -271,9 +271,9 @@ class Worker:
         self.batch_rows = (self.batch_rows + batcher.batches)[-BATCH_HISTORY:]
         ended = time.perf_counter()
         self._last_turn_s = ended - started
-        weights = [fed + 1 for _, fed in results]
-        for (job, steps), (outcome, _), weight in zip(running, results, weights):
-            job.served += (ended - started) * weight / sum(weights)
+        per_weight = self._last_turn_s / sum(fed + 1 for _, fed in results)  # seconds per token fed (plus one a step)
+        for (job, steps), (outcome, fed) in zip(running, results):
+            job.served += (fed + 1) * per_weight
             job.stepped = ended
             self._settle(job, steps, outcome)
 
