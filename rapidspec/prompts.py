@@ -12,6 +12,7 @@ kept, as LongBench does) with a warning, or refused with ``truncate="error"``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -222,6 +223,7 @@ def document_prompts(
     target_doc, truncated = fit_document(tokenizer, template, target_doc, question, target_window, config.truncate)
     target_ids = tuple(prompt_ids(tokenizer, template, target_doc, question, target_reads_retrieved))
     if deferring:
+        @functools.cache  # once per prompts: a request decoded again (a sample of many) retrieves once
         def resolve() -> PromptPair:
             found = retrieve()
             return PromptPair(target_ids, drafter_prompt(found, target_doc), found, truncated)

@@ -46,6 +46,7 @@ class GenerationStats:
     target_prefill_reused_tokens: int = 0  # not prefilled: read from the prefix cache or from disk
     target_prefill_disk_tokens: int = 0  # of those, read from the key/value blocks on disk
     drafter_prefill_reused_tokens: int = 0
+    drafter_prefill_disk_tokens: int = 0  # of those, read from a llama.cpp state on disk
     drafter: str = ""  # what drafted: the drafter's label and backend, or "lookup"
     retrieval_seconds: float = 0.0
     target_prefill_seconds: float = 0.0

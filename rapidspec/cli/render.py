@@ -8,12 +8,12 @@ from rich.table import Table
 
 from rapidspec.stats import GenerationStats
 
-def _target_prefill(s) -> str:
-    """Seconds, and the prompt tokens not prefilled (from the prefix cache or, of those, read from disk)."""
-    if not s.target_prefill_reused_tokens:
-        return f"{s.target_prefill_seconds:.2f}"
-    disk = f", {s.target_prefill_disk_tokens} from disk" if s.target_prefill_disk_tokens else ""
-    return f"{s.target_prefill_seconds:.2f} (reused {s.target_prefill_reused_tokens} tok{disk})"
+
+def _prefill(seconds: float, reused: int, disk: int) -> str:
+    """Seconds, and the prompt tokens not prefilled (kept from an earlier prompt or, of those, read from disk)."""
+    if not reused:
+        return f"{seconds:.2f}"
+    return f"{seconds:.2f} (reused {reused} tok{f', {disk} from disk' if disk else ''})"
 
 
 # (label, how to read the value from a GenerationStats)
@@ -22,8 +22,10 @@ ROWS: tuple[tuple[str, object], ...] = (
     ("prompt tokens (target / drafter)", lambda s: f"{s.prompt_tokens_target} / {s.prompt_tokens_drafter or '-'}"),
     ("retrieved tokens (chunks)", lambda s: f"{s.retrieved_tokens} ({s.retrieved_chunks})" if s.retrieved_chunks else "-"),
     ("retrieval s", lambda s: f"{s.retrieval_seconds:.2f}"),
-    ("target prefill s", lambda s: _target_prefill(s)),
-    ("drafter prefill s", lambda s: f"{s.drafter_prefill_seconds:.2f}"),
+    ("target prefill s", lambda s: _prefill(s.target_prefill_seconds, s.target_prefill_reused_tokens,
+                                              s.target_prefill_disk_tokens)),
+    ("drafter prefill s", lambda s: _prefill(s.drafter_prefill_seconds, s.drafter_prefill_reused_tokens,
+                                               s.drafter_prefill_disk_tokens)),
     ("decode s", lambda s: f"{s.decode_seconds:.2f}"),
     ("time to first token s", lambda s: f"{s.time_to_first_token:.2f}"),
     ("drafter joined after (s)", lambda s: "-" if s.drafter_joined_at is None

@@ -45,6 +45,7 @@ class DrafterPool:
     label = ""
     max_context = 0
     logit_width = 0
+    store = None  # closed caches on disk for later processes (LlamaCppDrafters: rapidspec.runtime.llama_state_store)
 
     def __init__(self, keep: bool = True, kept_caches: int = KEPT_CACHES, kept_bytes: int = KEPT_BYTES,
                  reuse_min_tokens: int = REUSE_MIN_TOKENS) -> None:
@@ -68,7 +69,8 @@ class DrafterPool:
             cache = self._new_cache(len(prompt_ids) + room)
         cache.reserve(len(prompt_ids) + room)  # allocated once for the whole generation
         cache.crop(common_prefix_length(cache.token_ids, wanted))
-        return PendingDrafter(self, cache, list(prompt_ids), vocab_size, target_device)
+        from_disk = self.store.extend(cache, wanted) if self.store is not None else 0
+        return PendingDrafter(self, cache, list(prompt_ids), vocab_size, target_device, from_disk)
 
     def start(self, prompt_ids, room: int, vocab_size: int, target_device: torch.device) -> tuple[ModelDrafter, int]:
         """A drafter over ``prompt_ids`` whose cache holds ``prompt_ids[:-1]``, and how many of them were reused."""
@@ -113,6 +115,8 @@ class DrafterPool:
     def _keep(self, cache) -> None:
         if not self.keep:
             return
+        if self.store is not None:
+            self.store.write(cache)  # its state is copied now: the cache may be taken again once it is kept
         size = cache.memory_bytes()
         with self._idle_lock:
             self._idle.append((cache, size))
@@ -140,10 +144,10 @@ class PendingDrafter:
     """
 
     def __init__(self, pool: DrafterPool, cache, prompt_ids: list[int], vocab_size: int,
-                 target_device: torch.device) -> None:
+                 target_device: torch.device, from_disk: int = 0) -> None:
         self.pool, self.cache, self.prompt_ids = pool, cache, prompt_ids
         self.vocab_size, self.target_device = vocab_size, target_device
-        self.reused = cache.length
+        self.reused, self.from_disk = cache.length, from_disk  # tokens not prefilled; of those, read from disk
 
     @property
     def left(self) -> int:
@@ -190,9 +194,11 @@ class LlamaCppDrafters(DrafterPool):
     """Drafters over llama.cpp contexts of one GGUF file."""
 
     def __init__(self, gguf_path: Path, threads: int, target_tokenizer, name: str, keep: bool = True,
-                 gguf: str = "auto") -> None:
+                 gguf: str = "auto", kv_cache: tuple[int, str | None] = (0, None)) -> None:
         """``gguf``: ``auto`` reads a fast-prefill copy of a file whose weights have none
-        (:mod:`rapidspec.runtime.gguf_copy`), ``as-is`` the file itself."""
+        (:mod:`rapidspec.runtime.gguf_copy`), ``as-is`` the file itself. ``kv_cache``: (bytes, folder) of the
+        key/value folder the closed contexts' states are kept in (:mod:`rapidspec.runtime.llama_state_store`),
+        with ``keep``; 0 bytes: none."""
         from rapidspec.runtime.gguf_copy import copy_type, fast_prefill_copy, model_name, weights_label
         from rapidspec.runtime.llama_cpp import LlamaCppModel
 
@@ -216,6 +222,10 @@ class LlamaCppDrafters(DrafterPool):
         self.label = f"{name} (llama.cpp, {model_name(gguf_path)}, {weights})"
         self.max_context = self.model.max_context
         self.logit_width = self.model.vocab_size
+        if keep and kv_cache[0]:
+            from rapidspec.runtime.llama_state_store import for_llama_model
+
+            self.store = for_llama_model(self.model, self.label, *kv_cache)
 
     def _new_cache(self, tokens: int):
         return self.model.new_context(tokens)

@@ -50,7 +50,7 @@ class DrafterFactory:
 
     def __init__(self, target, drafter=None, backend: str = "auto", threads: int | None = None,
                  prefill_chunk_tokens: int = 2048, keep: bool = True, prefill: str = "auto",
-                 gguf: str = "auto") -> None:
+                 gguf: str = "auto", kv_cache: tuple[int, str | None] = (0, None)) -> None:
         if drafter is not None and not isinstance(drafter, str) and drafter is not target:
             check_same_vocabulary(target.tokenizer, drafter.tokenizer)
         self.target = target
@@ -66,6 +66,7 @@ class DrafterFactory:
         if gguf not in DRAFTER_GGUF_CHOICES:
             raise RapidspecError(f"drafter_gguf must be one of {', '.join(DRAFTER_GGUF_CHOICES)}, got {gguf!r}")
         self.gguf = gguf  # what a llama.cpp pool reads (rapidspec.runtime.gguf_copy)
+        self.kv_cache = kv_cache  # (bytes, folder) where a llama.cpp pool keeps its contexts' states
         self._beside: ThreadPoolExecutor | None = None
         self.backend = choose_backend(backend, target, drafter)
         self._pools: dict[str, object] = {}
@@ -122,7 +123,8 @@ class DrafterFactory:
         name = "self" if source is None else getattr(source, "label", str(source))
         if backend == "llama.cpp":
             gguf = gguf_file(self.target if source is None else source)
-            return LlamaCppDrafters(gguf, self.threads, self.target.tokenizer, name, keep=self.keep, gguf=self.gguf)
+            return LlamaCppDrafters(gguf, self.threads, self.target.tokenizer, name, keep=self.keep, gguf=self.gguf,
+                                    kv_cache=self.kv_cache)
         return TorchDrafters(self.model, self.prefill_chunk_tokens, name, keep=self.keep)
 
     def max_context(self, config) -> int | None:
@@ -157,7 +159,7 @@ class DrafterFactory:
         room = config.max_new_tokens + config.max_gamma + 2
         vocab = min(logit_width(self.target.model), pool.logit_width)
         pending = pool.begin(prompts.drafter_ids, room, vocab, device)
-        stats.drafter_prefill_reused_tokens = pending.reused
+        stats.drafter_prefill_reused_tokens, stats.drafter_prefill_disk_tokens = pending.reused, pending.from_disk
         return pending
 
     def kept_prefix(self, prompts, config, kept: list[tuple[int, ...]]) -> int:

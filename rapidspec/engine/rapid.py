@@ -79,8 +79,9 @@ class Rapid:
     ``drafter_gguf``: ``auto`` (a fast-prefill copy of a Q4_1 file, :mod:`rapidspec.runtime.gguf_copy`) or ``as-is``.
     ``reuse_document_cache``: keep target caches in the prefix cache, and each
     drafter backend's last cache, for later prompts sharing a prefix.
-    ``kv_cache_gib``, ``kv_cache_dir``: the target's keys and values of long prompts on disk, for later processes
-    (:mod:`rapidspec.runtime.kv_store`; 0 = none; None = ``$RAPIDSPEC_KV_CACHE`` or ``<cache>/kv``).
+    ``kv_cache_gib``, ``kv_cache_dir``: the target's keys and values of long prompts on disk, and a llama.cpp
+    drafter's state, for later processes (:mod:`rapidspec.runtime.kv_store`, :mod:`~rapidspec.runtime.llama_state_store`;
+    0 = none; None = ``$RAPIDSPEC_KV_CACHE`` or ``<cache>/kv``).
     """
 
     def __init__(self, target, drafter=None, retrieval=None, template: PromptTemplate | None = None,
@@ -104,7 +105,8 @@ class Rapid:
         self._disk: DiskKVStore | None = None
         self.eos_token_ids = eos_token_ids(target)
         self.drafting = DrafterFactory(target, drafter, drafter_backend, drafter_threads, prefill_chunk_tokens,
-                                       keep=reuse_document_cache, prefill=drafter_prefill, gguf=drafter_gguf)
+                                       keep=reuse_document_cache, prefill=drafter_prefill, gguf=drafter_gguf,
+                                       kv_cache=self._kv_cache)
         self.vocab_size = self.drafting.vocab_size
         self.grammar_tokens = GrammarTokens(self.tokenizer, max(self.vocab_size, len(self.tokenizer)),
                                             self.eos_token_ids)

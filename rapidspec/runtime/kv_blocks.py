@@ -59,10 +59,15 @@ def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
 def prefix_hashes(key: str, token_ids: Sequence[int]) -> list[str]:
     """The prefix hash of every block of ``token_ids`` (the last may be partial): block j's covers ``key`` and
     tokens [0, j * BLOCK_TOKENS)."""
-    hashes, previous = [], hashlib.sha256(key.encode()).hexdigest()[:32]
-    for start in range(0, len(token_ids), BLOCK_TOKENS):
-        hashes.append(previous)
-        previous = hashlib.sha256(previous.encode() + _tokens_bytes(token_ids[start : start + BLOCK_TOKENS])).hexdigest()[:32]
+    return boundary_hashes(key, token_ids)[: -(-len(token_ids) // BLOCK_TOKENS)]
+
+
+def boundary_hashes(key: str, token_ids: Sequence[int]) -> list[str]:
+    """The hash covering ``key`` and tokens [0, j * BLOCK_TOKENS) for every j with j * BLOCK_TOKENS <= len(token_ids)."""
+    hashes = [hashlib.sha256(key.encode()).hexdigest()[:32]]
+    for start in range(0, len(token_ids) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+        block = _tokens_bytes(token_ids[start : start + BLOCK_TOKENS])
+        hashes.append(hashlib.sha256(hashes[-1].encode() + block).hexdigest()[:32])
     return hashes
 
 

@@ -236,6 +236,30 @@ class LlamaCppContext(HeldTokens):
         twin.prefill(self._token_ids)
         return twin
 
+    def state(self) -> bytes:
+        """The key/value state of the tokens held, as llama.cpp's state API writes a sequence
+        (:mod:`~rapidspec.runtime.llama_state_store` keeps it on disk)."""
+        ll = self._ll
+        size = int(ll.llama_state_seq_get_size(self._ctx, 0))
+        buffer = (ctypes.c_uint8 * size)()
+        written = int(ll.llama_state_seq_get_data(self._ctx, buffer, size, 0))
+        return ctypes.string_at(buffer, written)
+
+    def load_state(self, data: bytes, token_ids: Sequence[int]) -> bool:
+        """Hold ``token_ids`` from their ``data`` (:meth:`state` of a context of the same file) instead of what the
+        context held; False, holding nothing, when llama.cpp refuses the data or it does not hold that many tokens."""
+        ll = self._ll
+        if len(token_ids) > self.capacity:
+            return False
+        self.crop(0)
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        read = int(ll.llama_state_seq_set_data(self._ctx, buffer, len(data), 0))
+        if read != len(data) or int(ll.llama_memory_seq_pos_max(self._memory, 0)) != len(token_ids) - 1:
+            ll.llama_memory_clear(self._memory, False)
+            return False
+        self._token_ids = [int(t) for t in token_ids]
+        return True
+
     def memory_bytes(self) -> int:
         """Bytes of the key/value memory llama.cpp reports for this context (0 if it does not say)."""
         size = getattr(self._ll, "llama_state_get_size", None)
