@@ -10,8 +10,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from rapidspec.cli.serve import announce_unfinished
 from rapidspec.runtime.cache_dir import drop_unfinished
+from tests.server_harness import HTTP, free_port, serve_subprocess, wait_until
 
 WRITER = textwrap.dedent("""
     import sys, time
@@ -94,3 +97,37 @@ def test_a_killed_model_install_leaves_a_temporary_serve_drops(tmp_path):
     [left] = [p for p in models.iterdir() if p.name.startswith(".model.gguf.")]
     assert not destination.exists()
     assert drop_unfinished(tmp_path) == [left] and not left.exists()
+
+
+@pytest.mark.slow
+def test_a_serve_killed_while_it_writes_its_cache_starts_again_and_says_what_it_dropped(tmp_path):
+    """End to end: `rapidspec serve` on an empty cache folder writes its first cache file (the built-in GGUF
+    converted for the target) and is killed with SIGKILL in the middle of it; started again, it removes what
+    the killed process left, says so, writes the file anew and answers."""
+    env = {**os.environ, "RAPIDSPEC_CACHE": str(tmp_path), "RAPIDSPEC_KV_CACHE": ""}
+    command = [sys.executable, "-m", "rapidspec", "serve", "--target", "builtin:smollm2-135m", "--port",
+               str(free_port())]
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        def writing() -> list[Path]:
+            return [p for p in tmp_path.rglob("*") if p.name.startswith(".") and f".{first.pid}." in p.name]
+
+        assert wait_until(lambda: writing() or first.poll() is not None, timeout=300, every=0.02)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        first.kill()
+    left = writing()
+    assert left and first.returncode == -signal.SIGKILL
+    final = [p.with_name(p.name[1:].split(f".{first.pid}.")[0]) for p in left]
+    assert not any(p.exists() for p in final)  # nothing half-written under a name a reader opens
+
+    with serve_subprocess("--target", "builtin:smollm2-135m", env=env) as (process, url):
+        model = HTTP.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
+        answer = HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+        process.kill()
+        said = process.stdout.read().decode()
+    assert "unfinished cache file(s)" in said and all(p.name in said for p in left[:3])
+    assert not any(p.exists() for p in left) and all(p.exists() for p in final)
