@@ -10,7 +10,8 @@ the third asks another question about the same document; then ``rapidspec serve`
 asked the first question (streamed), stopped, and started and asked again (a restart). Reported per process: the wait before the first token
 (``stats.time_to_first_token``: retrieval, the target's prefill or its read from disk, the first step), the
 target's prefill seconds, the prompt tokens read from disk, the process's wall time, and the folder's bytes per
-1K tokens held; for the servers, the seconds from sending the request to its first token's chunk, measured
+1K tokens held (the target's blocks); the drafter's prefill seconds and the prompt tokens it read from disk (a
+llama.cpp drafter's state, with ``--drafter-start first`` in every process); for the servers, the seconds from sending the request to its first token's chunk, measured
 by the client. Every process runs with the same options (``--mode``, greedy); the machine, its CPU flags and its
 load average at the start head the output.
 """
@@ -57,7 +58,8 @@ def commit_line() -> str:
 def ask(document: Path, question: str, folder: Path, args) -> dict:
     command = [sys.executable, "-m", "rapidspec", "generate", "--document", str(document), "--question", question,
                "--json", "--quiet", "--mode", args.mode, "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens),
-               "--kv-cache-dir", str(folder), "--target", args.target, "--dtype", args.dtype]
+               "--kv-cache-dir", str(folder), "--target", args.target, "--dtype", args.dtype,
+               "--drafter-start", args.drafter_start]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
@@ -69,7 +71,8 @@ def ask(document: Path, question: str, folder: Path, args) -> dict:
             "time_to_first_token_s": round(stats["time_to_first_token"], 3),
             "target_prefill_s": round(stats["target_prefill_seconds"], 3),
             "prompt_tokens": stats["prompt_tokens_target"], "disk_tokens": stats["target_prefill_disk_tokens"],
-            "reused_tokens": stats["target_prefill_reused_tokens"]}
+            "reused_tokens": stats["target_prefill_reused_tokens"], "drafter_prefill_s": round(stats["drafter_prefill_seconds"], 3),
+            "drafter_prompt_tokens": stats["prompt_tokens_drafter"], "drafter_disk_tokens": stats["drafter_prefill_disk_tokens"]}
 
 
 def serve_and_ask(document: Path, question: str, folder: Path, args) -> dict:
@@ -105,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="builtin")
     parser.add_argument("--mode", default="rapid")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--drafter-start", default="auto", choices=("auto", "first"),
+                        help="first: every process prepares its drafter before the first round (its state on disk is "
+                             "then read by the later ones)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one process")
     parser.add_argument("--dtype", default="auto", help="the target's dtype (default: %(default)s)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (updated after each length)")
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = load_model(args.target, dtype=args.dtype).tokenizer
     header = {"cpu": cpu_line(), "load_average_at_start": os.getloadavg(), "target": args.target, "mode": args.mode,
-              "max_new_tokens": args.max_new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")}
+              "max_new_tokens": args.max_new_tokens, "drafter_start": args.drafter_start, "date": time.strftime("%Y-%m-%d %H:%M")}
     print(json.dumps(header), flush=True)
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:
@@ -125,11 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             runs = [ask(document, item.question, folder, args), ask(document, item.question, folder, args),
                     ask(document, OTHER_QUESTION, folder, args)]
             served = [serve_and_ask(document, item.question, folder, args) for _ in range(2)]  # a restart between
-            held = models(folder)
+            held = [m for m in models(folder) if m["model"].get("runtime") != "llama.cpp"]  # the target's blocks
             tokens, size = sum(m["tokens"] for m in held), sum(m["bytes"] for m in held)
+            drafter_bytes = sum(m["bytes"] for m in models(folder) if m["model"].get("runtime") == "llama.cpp")
             row = {"length": length, "runs": runs, "served": served,
                    "same_answer": runs[0]["text"] == runs[1]["text"], "served_same_answer": served[0]["text"] == served[1]["text"],
-                   "disk_tokens": tokens, "disk_bytes": size, "disk_bytes_per_1k_tokens": round(size / max(tokens, 1) * 1000)}
+                   "disk_tokens": tokens, "disk_bytes": size, "disk_bytes_per_1k_tokens": round(size / max(tokens, 1) * 1000),
+                   "drafter_disk_bytes": drafter_bytes}
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:
@@ -143,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['disk_bytes_per_1k_tokens'] / 2**20:.2f} MiB per 1K tokens; rapidspec serve, started twice: "
               f"{' and '.join(str(r['request_to_first_token_s']) for r in row['served'])} s from the request to its "
               f"first token")
+        if first["drafter_prompt_tokens"]:
+            print(f"{'':>6}  the drafter's prefill: first {first['drafter_prefill_s']:.2f} s; a new process, same "
+                  f"question {again['drafter_prefill_s']:.2f} s ({again['drafter_disk_tokens']} of its "
+                  f"{again['drafter_prompt_tokens']} prompt tokens from disk); another question "
+                  f"{other['drafter_prefill_s']:.2f} s ({other['drafter_disk_tokens']} of {other['drafter_prompt_tokens']}); "
+                  f"its states on disk {row['drafter_disk_bytes'] / 2**20:.1f} MiB")
     print("median wall s per process:", statistics.median(r["wall_s"] for row in rows for r in row["runs"]))
     return 0
 

@@ -332,10 +332,10 @@ def _entry_value(kind: type, entry: object):
         if kind is float:
             value = float(entry["value"])
             return value if math.isfinite(value) and value >= 0 else None
-        value = kind(**{name: float(entry[name]) for name in kind.__dataclass_fields__})
+        fields = {name: float(entry[name]) for name in kind.__dataclass_fields__}
+        return kind(**fields) if all(math.isfinite(v) and v >= 0 for v in fields.values()) else None
     except (KeyError, TypeError, ValueError):
         return None
-    return value if all(math.isfinite(v) and v >= 0 for v in asdict(value).values()) else None
 
 
 class EngineCosts:
