@@ -1,21 +1,17 @@
 """`rapidspec eval --ray`: items answered by Ray actors write the records a local run writes, and resume across both.
 
-Ray runs a local instance bounded to this machine (127.0.0.1, 2 CPUs); the
-actors load the tiny model from its directory as a user's would.
+Ray runs a local instance bounded to this machine (127.0.0.1: conftest's ``local_ray``, on the one worker that
+runs every Ray test); the actors load the tiny model from its directory as a user's would.
 """
 
 from __future__ import annotations
 
 import json
 
-import pytest
-
 from rapidspec.cli import main
 from rapidspec.evaluation.runner import key_of
 
 SMALL_RETRIEVAL = ["--retrieval", "bm25", "--chunk-tokens", "64", "--budget-tokens", "128"]
-# one pytest-xdist worker runs the Ray tests (test_replicas.py too) on the run's one local Ray (conftest's local_ray)
-pytestmark = pytest.mark.xdist_group("ray")
 
 
 def _records(path) -> dict:

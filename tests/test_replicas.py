@@ -31,8 +31,6 @@ from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig
 from tests.server_harness import HTTP, free_port, wait_until
 
-# one pytest-xdist worker runs the Ray tests: the run's local Ray (conftest's local_ray) starts once
-pytestmark = pytest.mark.xdist_group("ray")
 
 NOTES = [f"Day {i}: the garden had {i} tulips and the kettle was blue." for i in range(30)]
 
