@@ -6,7 +6,10 @@ The worker admits ``concurrent_sequences(...)`` requests at once; the rest
 wait in the queue. The drafters' caches are left out: each holds the
 retrieved text and the answer, a small part of the window, and the caches
 the drafter pool keeps for reuse hold at most
-:data:`~rapidspec.drafting.backends.KEPT_BYTES` beyond the newest.
+:data:`~rapidspec.drafting.backends.KEPT_BYTES` beyond the newest; a llama.cpp
+drafter also keeps up to :data:`~rapidspec.runtime.llama_cpp.KEPT_IDLE_CONTEXTS`
+freed contexts, cleared, for the next of their size (each sized for a
+drafter's prompt and answer: about 100 MB at 8K tokens for the default model).
 """
 
 from __future__ import annotations
