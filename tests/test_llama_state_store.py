@@ -64,12 +64,14 @@ def test_a_later_engine_reads_the_drafters_state_and_answers_the_same(tiny_model
     assert same.token_ids == answer.token_ids
 
     question = "How many crates did ferry 20 carry?"
-    other = engine(tiny_model, gguf, tmp_path).generate(DOCUMENT, question, **ASK)
+    later = engine(tiny_model, gguf, tmp_path)
+    other = later.generate(DOCUMENT, question, **ASK)
     nothing = engine(tiny_model, gguf, tmp_path, kv_cache_gib=0).generate(DOCUMENT, question, **ASK)
     # the document's tokens came from disk, the question's were prefilled
     assert len(DOCUMENT) - 64 < other.stats.drafter_prefill_disk_tokens < other.stats.prompt_tokens_drafter - 1
     assert nothing.stats.drafter_prefill_reused_tokens == 0
     assert other.token_ids == nothing.token_ids
+    assert len(snapshots(written(later))) == 1  # the document is not kept again with each question
 
 
 def test_nothing_is_kept_without_a_bound_or_without_reuse(tiny_model, gguf, tmp_path):
@@ -135,7 +137,9 @@ def test_snapshots_are_listed_bounded_and_replaced_by_longer_ones(gguf, tmp_path
     (listed,) = models(tmp_path)
     assert listed["model"]["runtime"] == "llama.cpp" and listed["tokens"] == 700
     other = model.new_context(1200)
-    other.prefill(ids[:300] + [7] * 50)  # another prompt with the same start: a snapshot of its own
+    other.prefill(ids[:300] + [7] * 50)  # 50 tokens beyond what a snapshot holds: the next process prefills them
+    assert store.write(other) is None
+    other.prefill([7] * 250)  # 300 beyond: a snapshot of its own
     store.write(other).result()
     assert len(snapshots(store)) == 2
     fresh = model.new_context(1200)

@@ -12,8 +12,11 @@ template's header and the start of a document). Before the drafter prefills,
 :meth:`LlamaStateStore.extend` loads the one sharing the most tokens with the
 prompt and crops it to where they differ: another question about the same
 document keeps the document's tokens (modes whose drafter reads the
-document), the same question all of them. A snapshot that a newer one
-continues (the next turn of a chat) is removed when the newer one is written.
+document), the same question all of them. A snapshot is written only where
+it holds at least :data:`MIN_NEW_TOKENS` tokens beyond the one sharing most
+with it (so a document's tokens are not kept again with every question about
+it: the next process prefills the difference), and a snapshot that a newer
+one continues (a chat's next turns) is removed when the newer one is written.
 
 Reading checks the file's format, key, place and a BLAKE2b checksum of the
 state and its tokens, and llama.cpp checks the state itself; a file failing
@@ -45,6 +48,9 @@ FORMAT = "rapidspec-llama-state/1"
 #: Drafter caches shorter than this are neither written nor looked up (a drafter's prompt is the retrieved text,
 #: often under 1,024 tokens, and llama.cpp prefills a few hundred tokens a second on a CPU).
 MIN_TOKENS = BLOCK_TOKENS
+#: A snapshot is written only where it holds this many tokens beyond every snapshot on disk (what it shares with
+#: the one sharing most): fewer are prefilled by the next process in less than a second.
+MIN_NEW_TOKENS = BLOCK_TOKENS
 #: Bytes of the GGUF file hashed into its key: this many evenly spaced samples of 4 KiB (with its size).
 KEY_SAMPLES = 64
 
@@ -88,21 +94,27 @@ class LlamaStateStore(DiskKVStore):
         held = context.length
         if len(token_ids) < max(MIN_TOKENS, held + MIN_READ_TOKENS) or not self.folder.is_dir():
             return 0
-        candidates = []
-        for path in self.folder.glob(f"{self._prefix(token_ids)}-*{SUFFIX}"):
-            try:
-                ids = block_tokens(path)
-            except Exception as err:  # noqa: BLE001 - whatever is wrong with the file, it is not loaded
-                self._drop(path, err)
-                continue
-            if len(ids) <= context.capacity:
-                candidates.append((common_prefix_length(ids, token_ids), path))
+        candidates = [(shared, path) for shared, path, size in self._sharing(token_ids) if size <= context.capacity]
         for shared, path in sorted(candidates, reverse=True):
             if shared < held + MIN_READ_TOKENS:
                 break
             if self._load(context, path, shared):
                 return context.length - held
         return 0
+
+    def _sharing(self, token_ids: Sequence[int]) -> list[tuple[int, Path, int]]:
+        """(tokens shared with ``token_ids``, path, tokens held) of each snapshot a prompt of ``token_ids`` may
+        continue (a file whose tokens cannot be read is removed)."""
+        found = []
+        if self.folder.is_dir():
+            for path in self.folder.glob(f"{self._prefix(token_ids)}-*{SUFFIX}"):
+                try:
+                    ids = block_tokens(path)
+                except Exception as err:  # noqa: BLE001 - whatever is wrong with the file, it is not loaded
+                    self._drop(path, err)
+                    continue
+                found.append((common_prefix_length(ids, token_ids), path, len(ids)))
+        return found
 
     def _prefix(self, token_ids: Sequence[int]) -> str:
         """What the snapshots a prompt of ``token_ids`` may continue are named after: its first 256 tokens."""
@@ -137,14 +149,15 @@ class LlamaStateStore(DiskKVStore):
         return state.numpy().tobytes(), ids.tolist()
 
     def write(self, context) -> Future | None:
-        """Copy the state of ``context`` now and write it on the store's thread, unless the folder holds it."""
+        """Copy the state of ``context`` now and write it on the store's thread, unless a snapshot on disk holds all
+        but fewer than :data:`MIN_NEW_TOKENS` of its tokens."""
         token_ids = context.token_ids
         if len(token_ids) < MIN_TOKENS or self.max_bytes == 0:
             return None
+        if max((shared for shared, _, _ in self._sharing(token_ids)), default=0) > len(token_ids) - MIN_NEW_TOKENS:
+            return None
         prefix = self._prefix(token_ids)
         path = self.folder / block_name(prefix, token_ids)
-        if path.is_file():
-            return None
         with self._pending_lock:
             if self._pending >= MAX_PENDING_WRITES:
                 logger.debug("llama.cpp state: %d writes pending, one skipped", self._pending)
