@@ -6,7 +6,10 @@ generation and keeps the caches of the last ones when they close (up to
 the kept cache sharing its longest prefix and prefills only what differs:
 another question about the same document whose retrieved text starts the
 same, the next turn of a chat (llama-server's slots and prompt cache do the
-same). Generations running at once each get a cache of their own.
+same). Generations running at once each get a cache of their own. A llama.cpp
+pool also keeps closed caches on disk for later processes, and starts a new
+prompt from the one there that shares more with it
+(:mod:`rapidspec.runtime.llama_state_store`).
 
 Which backend drafts is decided once, with the models
 (:func:`rapidspec.models.backend.choose_backend`). llama.cpp's vocabulary is
