@@ -182,9 +182,9 @@ def add_prefix_cache_option(parser: argparse.ArgumentParser) -> None:
 
 def add_kv_cache_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=DEFAULT_KV_CACHE_GIB,
-                        help="disk space for the target's keys and values of long prompts, read by later processes "
-                             "(a document is read once); least recently used removed, all models together, "
-                             "0 = off (default: %(default)s)")
+                        help="disk space for the target's keys and values of long prompts and a llama.cpp drafter's "
+                             "state, read by later processes (a document is read once); least recently used "
+                             "removed, all models together, 0 = off (default: %(default)s)")
     parser.add_argument("--kv-cache-dir", default=None, metavar="DIR",
                         help="where they are kept (default: $RAPIDSPEC_KV_CACHE, else $RAPIDSPEC_CACHE/kv)")
 
