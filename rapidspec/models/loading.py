@@ -50,7 +50,7 @@ from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.progress_bars import loading_bars
 from rapidspec.models.file_precision import file_precision
 from rapidspec.runtime.gguf_linears import file_precision_reason
-from rapidspec.runtime.quantization import check_quantization, quantize_linears, quantized_copy
+from rapidspec.runtime.quantization import check_quantization, pack_kernels, quantize_linears, quantized_copy
 from rapidspec.models.vocabulary import check_same_vocabulary, vocab_compatible  # noqa: F401  (public here too)
 
 logger = logging.getLogger(__name__)
@@ -282,6 +282,8 @@ def load_model(
         raise RapidspecError(f"cannot use {name}: {reason}, whose cache rapidspec cannot roll back yet; "
                              "use a model with full attention")
     quantize = _at_precision(model, quantize, gguf, torch_device, torch_dtype, name)
+    if quantize != "none":
+        pack_kernels(model)  # the first request would pack them otherwise: seconds before its first token
     param = next(model.parameters())
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
