@@ -94,10 +94,12 @@ def test_the_packed_copy_is_not_copied_or_saved_but_rebuilt():
 def test_a_loaded_model_has_its_layers_packed_before_its_first_product(tiny_model_dir):
     from rapidspec.models import load_model
 
-    loaded = load_model(str(tiny_model_dir), dtype="float32", quantize="int8", runtime="transformers")
-    layers = [m for m in loaded.model.modules() if isinstance(m, Int8Linear)]
+    loaded = load_model(str(tiny_model_dir), dtype="float32", quantize="int8", runtime="lean")
+    fused = loaded.lean.fused_linears()  # the lean forward's q/k/v and gate/up: not modules of the model
+    layers = [m for module in (loaded.model, *fused) for m in module.modules() if isinstance(m, Int8Linear)]
     dynamic = [m for m in layers if m._dynamic()]
-    assert dynamic and all(m._packed is not None for m in dynamic)  # packed at load, not by the first request
+    assert fused and all(m in dynamic for m in fused)
+    assert all(m._packed is not None for m in dynamic)  # packed at load, not by the first request
     rows = _rows(3, dynamic[0].in_features)
     lazy = copy.deepcopy(dynamic[0])
     assert lazy._packed is None and torch.equal(lazy(rows), dynamic[0](rows))

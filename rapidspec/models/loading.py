@@ -282,8 +282,9 @@ def load_model(
         raise RapidspecError(f"cannot use {name}: {reason}, whose cache rapidspec cannot roll back yet; "
                              "use a model with full attention")
     quantize = _at_precision(model, quantize, gguf, torch_device, torch_dtype, name)
-    if quantize != "none":
-        pack_kernels(model)  # the first request would pack them otherwise: seconds before its first token
+    lean = _lean_forward(model, runtime, name, split=device_map is not None)
+    if quantize != "none":  # the first request would pack them otherwise: seconds before its first token
+        pack_kernels(model, *(lean.fused_linears() if lean is not None else ()))
     param = next(model.parameters())
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -302,7 +303,7 @@ def load_model(
         max_context=max_context,
         source=source,
         quantization=quantize,
-        lean=_lean_forward(model, runtime, name, split=device_map is not None),
+        lean=lean,
     )
 
 

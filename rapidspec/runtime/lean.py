@@ -213,6 +213,10 @@ class LeanModel:
         self._rope = (empty, empty)  # (cos, sin) [positions, d], replaced whole (readers on other threads)
         self._rope_lock = threading.Lock()
 
+    def fused_linears(self) -> list[torch.nn.Module]:
+        """The fused q/k/v and gate/up projections, which are not modules of the transformers model."""
+        return [m for layer in self.layers for m in (layer.qkv, layer.gate_up) if m is not None]
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
