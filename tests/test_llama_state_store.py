@@ -11,7 +11,8 @@ from rapidspec.cli.cache import models
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.kv_store import list_files
 from rapidspec.runtime.llama_cpp import LlamaCppModel, llama_cpp_available
-from rapidspec.runtime.llama_state_store import FORMAT, _checksum, for_llama_model
+from rapidspec.runtime.kv_blocks import checksum
+from rapidspec.runtime.llama_state_store import FORMAT, for_llama_model
 from tests.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed")
@@ -92,7 +93,7 @@ def _forged(path, store, state: torch.Tensor, ids: torch.Tensor, **meta) -> None
     """Rewrite ``path`` with ``state`` and ``ids`` and a checksum that matches them."""
     prefix = path.name.split("-", 1)[0]
     fields = {"format": FORMAT, "model": store.key, "prefix": prefix, "tokens": str(len(ids)),
-              "checksum": _checksum(state, ids), **meta}
+              "checksum": checksum(state, ids), **meta}
     path.write_bytes(save({"state": state, "token_ids": ids}, metadata=fields))
 
 

@@ -81,10 +81,10 @@ def block_prefix(path: Path) -> str:
     return path.name.split("-", 1)[0]
 
 
-def checksum(keys: torch.Tensor, values: torch.Tensor, token_ids: torch.Tensor) -> str:
-    """BLAKE2b of the three tensors' bytes (keys and values read as bytes, whatever their dtype)."""
+def checksum(*tensors: torch.Tensor) -> str:
+    """BLAKE2b of the tensors' bytes (a block's keys, values and token ids; read as bytes, whatever their dtype)."""
     digest = hashlib.blake2b(digest_size=16)
-    for tensor in (keys, values, token_ids):
+    for tensor in tensors:
         digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
     return digest.hexdigest()
 

@@ -41,7 +41,8 @@ from safetensors.torch import save
 
 from rapidspec.runtime.cache import common_prefix_length
 from rapidspec.runtime.cache_dir import cache_write, keep_json
-from rapidspec.runtime.kv_blocks import BLOCK_TOKENS, SUFFIX, block_name, block_prefix, block_tokens, boundary_hashes
+from rapidspec.runtime.kv_blocks import (BLOCK_TOKENS, SUFFIX, block_name, block_prefix, block_tokens, boundary_hashes,
+                                         checksum)
 from rapidspec.runtime.kv_store import MAX_PENDING_WRITES, MIN_READ_TOKENS, MODEL_FILE, DiskKVStore, logger
 
 FORMAT = "rapidspec-llama-state/1"
@@ -76,13 +77,6 @@ def for_llama_model(model, label: str, max_bytes: int, folder: Path | str | None
                 "quantization": "gguf", "device": "cpu", "format": FORMAT, "llama_cpp": llama_cpp.__version__,
                 "flash_attention": model.flash_attention}
     return LlamaStateStore(gguf_key(model.path, describe), max_bytes, folder, describe)
-
-
-def _checksum(state: torch.Tensor, token_ids: torch.Tensor) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    for tensor in (state, token_ids):
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
-    return digest.hexdigest()
 
 
 class LlamaStateStore(DiskKVStore):
@@ -144,7 +138,7 @@ class LlamaStateStore(DiskKVStore):
             if meta.get("format") != FORMAT or meta.get("model") != self.key or meta.get("prefix") != block_prefix(path):
                 raise ValueError("another format, model or place")
             state, ids = file.get_tensor("state"), file.get_tensor("token_ids")
-        if _checksum(state, ids) != meta.get("checksum"):
+        if checksum(state, ids) != meta.get("checksum"):
             raise ValueError("a checksum that does not match")
         return state.numpy().tobytes(), ids.tolist()
 
@@ -172,7 +166,7 @@ class LlamaStateStore(DiskKVStore):
         state = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         ids = torch.tensor(token_ids, dtype=torch.int32)
         meta = {"format": FORMAT, "model": self.key, "prefix": prefix, "tokens": str(len(token_ids)),
-                "checksum": _checksum(state, ids)}
+                "checksum": checksum(state, ids)}
 
         def save_snapshot(temporary: Path) -> None:
             with open(temporary, "xb") as out:  # Python's file: a read-only or full folder is an OSError
