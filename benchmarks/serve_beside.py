@@ -12,7 +12,7 @@ answer time and /health's slowest answer (medians over the repeats), and the sma
 * 60,000 empty messages (truncate middle);
 * a 2 MB query (truncate middle);
 * a 2 MB /tokenize;
-* an answer of 256 tokens with 20 log-probabilities each.
+* an answer of 256 tokens, and one with 20 log-probabilities each.
 
 Prints a table, then one JSON object as the last line. Every wait is bounded.
 """
@@ -63,6 +63,8 @@ def cases(window: int) -> dict[str, tuple[str, Callable[[], dict]]]:
             "messages": question, "documents": ["a short note"], "query": "q " * 1_000_000, "truncate": "middle",
             "max_tokens": 8}),
         "2 MB /tokenize": ("/tokenize", lambda: {"prompt": "word " * 400_000}),
+        "256 tokens, no logprobs": ("/v1/chat/completions", lambda: {
+            "messages": question, "max_tokens": 256, "ignore_eos": True}),
         "256 tokens with 20 logprobs": ("/v1/chat/completions", lambda: {
             "messages": question, "max_tokens": 256, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}),
     }
