@@ -36,7 +36,7 @@ from rich.table import Table
 from benchmarks.own_documents import QUESTIONS, is_right, load_questions
 from rapidspec import Rapid, load_model
 from rapidspec.errors import RapidspecError
-from rapidspec.runtime.quantization import TARGET_QUANTIZATIONS
+from rapidspec.config import TARGET_QUANTIZATIONS
 
 
 def wilson(right: int, total: int, z: float = 1.96) -> tuple[float, float]:

@@ -54,7 +54,8 @@ from rapidspec.errors import RapidspecError
 from rapidspec.models import load_model, low_bit_copy
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.packed import PackedLinear, packed_bytes
-from rapidspec.runtime.quantization import TARGET_QUANTIZATIONS, Int4Linear, Int8Linear
+from rapidspec.config import TARGET_QUANTIZATIONS
+from rapidspec.runtime.quantization import Int4Linear, Int8Linear
 
 RUNTIMES = ("lean", "transformers")
 

@@ -62,6 +62,28 @@ TARGET_READS_RETRIEVED = frozenset(m for m, s in MODE_TABLE.items() if s.target_
 USES_DRAFTER = frozenset(m for m, s in MODE_TABLE.items() if s.drafter_kind is not None)
 USES_RETRIEVAL = frozenset(m for m, s in MODE_TABLE.items() if s.uses_retrieval)
 
+#: The dtype names a user may give (``auto`` picks bfloat16 where it is native, else float32).
+DTYPE_NAMES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+#: Accepted values of ``runtime``: the lean forward where the architecture has one
+#: (``auto``), always (``lean``, an error where it has none), or never.
+RUNTIMES: tuple[str, ...] = ("auto", "lean", "transformers")
+#: What a model's linear layers can be loaded as: the float copy, int8 or int4 rounded from it, or the
+#: low-bit blocks of its GGUF file (:mod:`rapidspec.runtime.gguf_linears`).
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4", "gguf")
+#: The ``quantize`` options of a target: ``auto`` is ``gguf`` for a GGUF file on the CPU, else ``none``.
+TARGET_QUANTIZATIONS: tuple[str, ...] = ("auto", *QUANTIZATIONS)
+#: The options :func:`rapidspec.runtime.quantization.quantize_linears` rounds a float model to.
+ROUNDED_QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
+#: When a llama.cpp drafter prefills its prompt: ``auto`` beside the target's prefill where the CPU has
+#: cores to spare for the drafter's threads (:func:`rapidspec.drafting.factory.spare_cores`), else after
+#: it; ``beside``; ``after``.
+DRAFTER_PREFILLS: tuple[str, ...] = ("auto", "beside", "after")
+#: What ``drafter_gguf`` may be: ``auto`` (a copy of the types llama.cpp prefills slowly) or ``as-is``.
+DRAFTER_GGUF_CHOICES: tuple[str, ...] = ("auto", "as-is")
+#: The default bound of an engine's prefix cache.
+DEFAULT_PREFIX_CACHE_GIB = 2.0
+#: The default bound of the target's key/value blocks on disk (:mod:`rapidspec.runtime.kv_store`), all models.
+DEFAULT_KV_CACHE_GIB = 8.0
 #: What runs a model drafter (:mod:`rapidspec.models.backend`): the engine's default, torch or llama.cpp.
 DRAFTER_BACKENDS: tuple[str, ...] = ("auto", "torch", "llama.cpp")
 #: StreamingLLM's attention sinks (the RAPID paper's MagicDec: SinkCache(window_length=4096, num_sink_tokens=4)).
@@ -74,6 +96,10 @@ RESIDUALS: tuple[str, ...] = ("exact", "paper")
 TRUNCATIONS: tuple[str, ...] = ("middle", "error")
 #: When the drafter is prepared (``DecodeConfig.drafter_start``).
 DRAFTER_STARTS: tuple[str, ...] = ("auto", "first")
+#: Target prompt tokens per prefill forward (an engine's default; a drafter's torch cache takes the same). The
+#: runtime, which imports nothing above it, has its own default for a cache made without an engine
+#: (:data:`rapidspec.runtime.cache.PREFILL_CHUNK_TOKENS`, the same number: tests/test_layout.py).
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 #: Smallest temperature that samples; below it logits / T overflow (0 is greedy).
 MIN_TEMPERATURE = 1e-5
 #: The largest temperature and eta: z / T and eta * g stay finite in float32 (and far past any useful value).

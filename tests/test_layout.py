@@ -133,6 +133,26 @@ def test_the_load_client_imports_neither_torch_nor_fastapi():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_spec_and_every_option_list_import_no_torch():
+    """A spec is built, checked and sent to another process without torch: every option list and default sits
+    in rapidspec.config, and the packages on the way load their heavy parts on first use."""
+    code = ("import sys, rapidspec.config, rapidspec.engine.spec, rapidspec.models.spec, rapidspec.engine.defaults; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_runtime_keeps_the_options_of_rapidspec_config():
+    """The runtime imports nothing above it, so it keeps its own copies: the chunk of a cache made without an
+    engine, and the quantizations it loads."""
+    from rapidspec import config
+    from rapidspec.runtime import cache, quantization
+
+    assert cache.PREFILL_CHUNK_TOKENS == config.DEFAULT_PREFILL_CHUNK_TOKENS
+    for name in ("QUANTIZATIONS", "TARGET_QUANTIZATIONS", "ROUNDED_QUANTIZATIONS"):
+        assert getattr(quantization, name) == getattr(config, name), name
+
+
 def test_evaluation_holds_no_http_or_ray_code():
     for path in (PACKAGE / "evaluation").glob("*.py"):
         source = path.read_text(encoding="utf-8")

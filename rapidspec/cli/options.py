@@ -7,19 +7,13 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
-from rapidspec.config import DRAFTER_STARTS, GAMMA_SCHEDULES, MODES, DecodeConfig
-from rapidspec.config import DRAFTER_BACKENDS
-from rapidspec.models.backend import DRAFTER_PREFILLS
+from rapidspec.config import (DEFAULT_KV_CACHE_GIB, DEFAULT_PREFIX_CACHE_GIB, DRAFTER_BACKENDS, DRAFTER_GGUF_CHOICES,
+                              DRAFTER_PREFILLS, DRAFTER_STARTS, DTYPE_NAMES, GAMMA_SCHEDULES, MODES, QUANTIZATIONS, RUNTIMES,
+                              TARGET_QUANTIZATIONS, DecodeConfig)
 from rapidspec.errors import RapidspecError
 from rapidspec.grammar import Grammar
-from rapidspec.models import RUNTIMES
-from rapidspec.models.devices import DTYPE_NAMES
 from rapidspec.retrieval import METHODS, RetrievalConfig
 from rapidspec.retrieval.config import EMBEDDING_DTYPES
-from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
-from rapidspec.runtime.cache_dir import DEFAULT_KV_CACHE_GIB
-from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
-from rapidspec.runtime.quantization import QUANTIZATIONS, TARGET_QUANTIZATIONS
 
 _DEFAULT_DECODE = DecodeConfig()
 _DEFAULT_RETRIEVAL = RetrievalConfig()

@@ -11,7 +11,20 @@
   costs, and when the drafter joins an answer.
 """
 
-from rapidspec.drafting.drafter import NO_PROPOSAL, Drafter, ModelDrafter, Proposal
-from rapidspec.drafting.streaming import streaming_view
+import importlib
 
-__all__ = ["NO_PROPOSAL", "Drafter", "ModelDrafter", "Proposal", "streaming_view"]
+_EXPORTS = {
+    "NO_PROPOSAL": "rapidspec.drafting.drafter",
+    "Drafter": "rapidspec.drafting.drafter",
+    "ModelDrafter": "rapidspec.drafting.drafter",
+    "Proposal": "rapidspec.drafting.drafter",
+    "streaming_view": "rapidspec.drafting.streaming",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):  # torch loads with the drafters, not with the eta default or the join's arithmetic
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rapidspec.drafting' has no attribute {name!r}")

@@ -27,13 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters
-from rapidspec.models.backend import DRAFTER_PREFILLS, choose_backend, gguf_file
+from rapidspec.models.backend import choose_backend, gguf_file
 from rapidspec.drafting.eta_default import drafter_relation
 from rapidspec.drafting.lookup import LookupDrafter
-from rapidspec.config import MODE_TABLE
+from rapidspec.config import DEFAULT_PREFILL_CHUNK_TOKENS, DRAFTER_GGUF_CHOICES, DRAFTER_PREFILLS, MODE_TABLE
 from rapidspec.errors import RapidspecError
 from rapidspec.models.vocabulary import check_same_vocabulary, logit_width
-from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
 from rapidspec.runtime.threads import compute_threads, helper_thread
 
 logger = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ class DrafterFactory:
     """The drafters of one engine over ``target``: see the module docstring."""
 
     def __init__(self, target, drafter=None, backend: str = "auto", threads: int | None = None,
-                 prefill_chunk_tokens: int = 2048, keep: bool = True, prefill: str = "auto",
+                 prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS, keep: bool = True, prefill: str = "auto",
                  gguf: str = "auto", kv_cache: tuple[int, str | None] = (0, None)) -> None:
         if drafter is not None and not isinstance(drafter, str) and drafter is not target:
             check_same_vocabulary(target.tokenizer, drafter.tokenizer)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from rapidspec import sampling
-from rapidspec.config import DecodeConfig
+from rapidspec.config import DEFAULT_KV_CACHE_GIB, DEFAULT_PREFILL_CHUNK_TOKENS, DEFAULT_PREFIX_CACHE_GIB, DecodeConfig
 from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
 from rapidspec.drafting.calibration import CostBook, EngineCosts
 from rapidspec.drafting.eta_default import EtaWarnings
@@ -44,7 +44,7 @@ from rapidspec.drafting.lookup import LookupDrafter
 from rapidspec.errors import RapidspecError
 from rapidspec.engine.defaults import resolve
 from rapidspec.engine.rounds import Rounds, run_rounds, sync as device_sync
-from rapidspec.engine.spec import DEFAULT_PREFILL_CHUNK_TOKENS, EngineSpec
+from rapidspec.engine.spec import EngineSpec
 from rapidspec.grammar import GrammarTokens
 from rapidspec.grammar.tools import ToolChoice, template_tokenizer, with_tool_grammar
 from rapidspec.models.vocabulary import eos_token_ids
@@ -53,9 +53,8 @@ from rapidspec.penalties import Penalties
 from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts, with_streaming_drafter
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
-from rapidspec.runtime.cache_dir import DEFAULT_KV_CACHE_GIB
 from rapidspec.runtime.kv_store import DiskKVStore, for_model
-from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB, GIB, PrefixCache
+from rapidspec.runtime.prefix_cache import GIB, PrefixCache
 from rapidspec.stats import GenerationStats
 
 logger = logging.getLogger(__name__)

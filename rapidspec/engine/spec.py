@@ -12,13 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rapidspec.config import DEFAULT_KV_CACHE_GIB, DEFAULT_PREFILL_CHUNK_TOKENS
 from rapidspec.errors import RapidspecError
 from rapidspec.models.spec import ModelSpec
 from rapidspec.retrieval.config import RetrievalConfig
-from rapidspec.runtime.cache_dir import DEFAULT_KV_CACHE_GIB
-
-#: Target prompt tokens per prefill forward.
-DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 
 
 @dataclass(frozen=True)

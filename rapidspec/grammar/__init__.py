@@ -7,7 +7,19 @@ turns OpenAI ``tools`` into the model's chat template, a grammar and parsed
 ``tool_calls``.
 """
 
-from rapidspec.grammar.matcher import GrammarState, GrammarTokens, apply_mask
-from rapidspec.grammar.spec import Grammar
+import importlib
 
-__all__ = ["Grammar", "GrammarState", "GrammarTokens", "apply_mask"]
+_EXPORTS = {
+    "Grammar": "rapidspec.grammar.spec",
+    "GrammarState": "rapidspec.grammar.matcher",
+    "GrammarTokens": "rapidspec.grammar.matcher",
+    "apply_mask": "rapidspec.grammar.matcher",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):  # the matcher (torch, llguidance) loads on first use of its names
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rapidspec.grammar' has no attribute {name!r}")

@@ -19,7 +19,7 @@ import importlib
 
 _EXPORTS = {
     "BUILTIN_MODELS": "rapidspec.models.builtin",
-    "RUNTIMES": "rapidspec.models.loading",
+    "RUNTIMES": "rapidspec.config",
     "LoadedModel": "rapidspec.models.loading",
     "cache_root": "rapidspec.models.loading",
     "check_low_bit_device": "rapidspec.models.loading",

@@ -16,10 +16,6 @@ from pathlib import Path
 from rapidspec.config import DRAFTER_BACKENDS
 from rapidspec.errors import RapidspecError
 
-#: When a llama.cpp drafter prefills its prompt: ``auto`` beside the target's prefill where the CPU has
-#: cores to spare for the drafter's threads (:func:`rapidspec.drafting.factory.spare_cores`), else after
-#: it; ``beside``; ``after``.
-DRAFTER_PREFILLS = ("auto", "beside", "after")
 
 
 def gguf_file(drafter) -> Path | None:

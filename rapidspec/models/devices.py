@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from rapidspec.errors import RapidspecError
+from rapidspec.config import DTYPE_NAMES
 from rapidspec.runtime.native_dtype import cpu_supports_bf16, native_dtype
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -16,8 +17,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-#: The dtype names a user may give (``auto`` picks bfloat16 where it is native, else float32).
-DTYPE_NAMES: tuple[str, ...] = ("auto", *_DTYPES)
+assert DTYPE_NAMES == ("auto", *_DTYPES)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

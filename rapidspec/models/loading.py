@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from rapidspec.config import RUNTIMES
 from rapidspec.models.builtin import BUILTIN_MODELS, DEFAULT_BUILTIN, BuiltinModel, PartWheels
 from rapidspec.models.devices import resolve_device, resolve_dtype
 from rapidspec.errors import RapidspecError
@@ -70,9 +71,6 @@ __all__ = [
     "vocab_compatible",
 ]
 
-#: Accepted values of ``runtime``: the lean forward where the architecture has one
-#: (``auto``), always (``lean``, an error where it has none), or never.
-RUNTIMES = ("auto", "lean", "transformers")
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,14 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rapidspec.config import DRAFTER_BACKENDS
-from rapidspec.models.backend import DRAFTER_PREFILLS
+from rapidspec.config import (DEFAULT_PREFIX_CACHE_GIB, DRAFTER_BACKENDS, DRAFTER_GGUF_CHOICES, DRAFTER_PREFILLS,
+                              DTYPE_NAMES, QUANTIZATIONS, ROUNDED_QUANTIZATIONS, RUNTIMES, TARGET_QUANTIZATIONS)
 from rapidspec.errors import RapidspecError
-from rapidspec.models.devices import DTYPE_NAMES
-from rapidspec.models.loading import RUNTIMES
-from rapidspec.runtime.gguf_copy import DRAFTER_GGUF_CHOICES
-from rapidspec.runtime.prefix_cache import DEFAULT_PREFIX_CACHE_GIB
-from rapidspec.runtime.quantization import QUANTIZATIONS, ROUNDED_QUANTIZATIONS, TARGET_QUANTIZATIONS
 
 
 @dataclass(frozen=True)

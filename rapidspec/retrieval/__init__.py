@@ -8,30 +8,28 @@ See :mod:`rapidspec.retrieval.retriever` for the contract and the score
 definitions, :mod:`.chunking` for spans, :mod:`.selection` for the budget.
 """
 
-from rapidspec.retrieval.chunking import Chunk, Chunker
-from rapidspec.retrieval.config import BUILTIN_EMBEDDER, METHODS, RetrievalConfig
-from rapidspec.retrieval.retriever import (
-    CHUNK_SEPARATOR,
-    RetrievalResult,
-    RetrievedChunk,
-    Retriever,
-    build_query,
-)
-from rapidspec.retrieval.selection import default_budget
-from rapidspec.retrieval.tokenizers import load_builtin_tokenizer, resolve_tokenizer
+import importlib
 
-__all__ = [
-    "BUILTIN_EMBEDDER",
-    "CHUNK_SEPARATOR",
-    "METHODS",
-    "Chunk",
-    "Chunker",
-    "RetrievalConfig",
-    "RetrievalResult",
-    "RetrievedChunk",
-    "Retriever",
-    "build_query",
-    "default_budget",
-    "load_builtin_tokenizer",
-    "resolve_tokenizer",
-]
+_EXPORTS = {
+    "BUILTIN_EMBEDDER": "rapidspec.retrieval.config",
+    "CHUNK_SEPARATOR": "rapidspec.retrieval.retriever",
+    "METHODS": "rapidspec.retrieval.config",
+    "Chunk": "rapidspec.retrieval.chunking",
+    "Chunker": "rapidspec.retrieval.chunking",
+    "RetrievalConfig": "rapidspec.retrieval.config",
+    "RetrievalResult": "rapidspec.retrieval.retriever",
+    "RetrievedChunk": "rapidspec.retrieval.retriever",
+    "Retriever": "rapidspec.retrieval.retriever",
+    "build_query": "rapidspec.retrieval.retriever",
+    "default_budget": "rapidspec.retrieval.selection",
+    "load_builtin_tokenizer": "rapidspec.retrieval.tokenizers",
+    "resolve_tokenizer": "rapidspec.retrieval.tokenizers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):  # the retriever (torch, the embedder) loads on first use of its names
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rapidspec.retrieval' has no attribute {name!r}")

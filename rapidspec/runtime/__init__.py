@@ -34,11 +34,11 @@ Modules:
 
 from __future__ import annotations
 
-from rapidspec.runtime.cache import KVCache
+from rapidspec.runtime.cache import PREFILL_CHUNK_TOKENS, KVCache
 from rapidspec.runtime.protocol import KVCacheProtocol
 
 
-def new_kv_cache(loaded, prefill_chunk_tokens: int = 2048) -> KVCacheProtocol:
+def new_kv_cache(loaded, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> KVCacheProtocol:
     """An empty cache of ``loaded`` (a :class:`~rapidspec.models.LoadedModel`).
 
     The lean runtime's cache when the model was loaded with one, else a

@@ -30,6 +30,9 @@ from rapidspec.runtime.errors import PrefillStopped
 
 # Reserved room grows by this factor (and in multiples of ROOM_QUANTUM tokens).
 ROOM_GROWTH = 1.5
+#: Prompt tokens per prefill forward of a cache made without an engine (the engine passes its own,
+#: :data:`rapidspec.config.DEFAULT_PREFILL_CHUNK_TOKENS`).
+PREFILL_CHUNK_TOKENS = 2048
 ROOM_QUANTUM = 256
 
 
@@ -197,7 +200,7 @@ class HeldTokens:
 class KVCache(HeldTokens):
     """The key/value cache of one model over one token sequence (batch size 1)."""
 
-    def __init__(self, model: torch.nn.Module, prefill_chunk_tokens: int = 2048) -> None:
+    def __init__(self, model: torch.nn.Module, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> None:
         super().__init__(prefill_chunk_tokens)
         self.model = model
         self._cache = new_cache(model.config)

@@ -35,8 +35,6 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-#: The default bound of the target's key/value blocks on disk (:mod:`rapidspec.runtime.kv_store`), all models.
-DEFAULT_KV_CACHE_GIB = 8.0
 
 # (what, folder, errno) of the warnings logged so far: each is logged once per process.
 _warned: set[tuple[str, str, int | None]] = set()

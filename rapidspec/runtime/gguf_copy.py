@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 
 #: GGUF weight types llama.cpp prefills without blocked kernels on CPU, and the type of their copy.
 FAST_PREFILL_TYPES = {"Q4_1": "Q8_0"}
-#: What ``drafter_gguf`` may be: ``auto`` (a copy for the types above) or ``as-is``.
-DRAFTER_GGUF_CHOICES = ("auto", "as-is")
 
 
 def weight_type(description: str) -> str:

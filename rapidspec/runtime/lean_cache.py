@@ -25,7 +25,7 @@ from collections.abc import Callable, Generator, Sequence
 
 import torch
 
-from rapidspec.runtime.cache import ROOM_GROWTH, ROOM_QUANTUM, HeldTokens
+from rapidspec.runtime.cache import PREFILL_CHUNK_TOKENS, ROOM_GROWTH, ROOM_QUANTUM, HeldTokens
 from rapidspec.runtime.batching import current_batcher
 from rapidspec.runtime.lean import LeanModel, Row
 
@@ -33,7 +33,7 @@ from rapidspec.runtime.lean import LeanModel, Row
 class LeanKVCache(HeldTokens):
     """The key/value cache of one :class:`LeanModel` over one token sequence."""
 
-    def __init__(self, lean: LeanModel, prefill_chunk_tokens: int = 2048) -> None:
+    def __init__(self, lean: LeanModel, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> None:
         super().__init__(prefill_chunk_tokens)
         self.lean = lean
         self.model = lean.model

@@ -38,8 +38,6 @@ from rapidspec.runtime.cache import KVCache, common_prefix_length
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-#: The default bound of an engine's prefix cache.
-DEFAULT_PREFIX_CACHE_GIB = 2.0
 
 
 @dataclass

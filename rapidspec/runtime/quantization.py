@@ -46,13 +46,14 @@ from rapidspec.runtime import dynamic_int8
 from rapidspec.runtime.errors import QuantizationError
 from rapidspec.runtime.packed import PackedLinear, ProductSlice, SharedProduct
 
-#: What a model's linear layers can be loaded as: the float copy, int8 or int4 rounded from it, or the
-#: low-bit blocks of its GGUF file (:mod:`rapidspec.runtime.gguf_linears`).
+#: What this runtime loads linear layers as (the float copy, int8 or int4 rounded from it, the GGUF file's
+#: low-bit blocks), the ``quantize`` options of a target, and those :func:`quantize_linears` rounds to: the
+#: user-facing lists are :mod:`rapidspec.config`'s, the same (tests/test_layout.py), since the runtime imports
+#: nothing above it.
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
-#: The ``quantize`` options of a target: ``auto`` is ``gguf`` for a GGUF file on the CPU, else ``none``.
 TARGET_QUANTIZATIONS = ("auto", *QUANTIZATIONS)
-#: The options :func:`quantize_linears` rounds a float model to.
 ROUNDED_QUANTIZATIONS = ("int8", "int4")
+
 #: int4: input columns sharing one scale and zero point.
 INT4_GROUP = 64
 #: The int4 CPU kernel needs the output width to be a multiple of this; a

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from rapidspec.config import DEFAULT_PREFILL_CHUNK_TOKENS
 from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters
 from rapidspec.errors import RapidspecError
 from rapidspec.models.loading import resolve_source
@@ -27,8 +28,6 @@ logger = logging.getLogger(__name__)
 
 #: What ``rapidspec models export`` writes beside the weights.
 EXPORT_RECORD = "rapidspec.json"
-#: Tokens a torch drafter prefills per forward.
-PREFILL_CHUNK_TOKENS = 2048
 
 
 def drafter_source(chosen: str | None, folder: Path) -> str:
@@ -69,4 +68,4 @@ def drafter_pool(options, folder: Path, tokenizer, device: torch.device):
 
     loaded = load_model(source, device=device)
     check_same_vocabulary(tokenizer, loaded.tokenizer)
-    return TorchDrafters(loaded, PREFILL_CHUNK_TOKENS, name)
+    return TorchDrafters(loaded, DEFAULT_PREFILL_CHUNK_TOKENS, name)
