@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rapidspec.runtime.batching import current_batcher
-from rapidspec.server.worker import HEAD_START_S, LONG_TURN_S, Job, QueueFull, Worker
+from rapidspec.server.worker import HEAD_START_S, LONG_TURN_S, SMALL_JOB_TOKENS, Job, QueueFull, Worker
 
 
 @pytest.mark.parametrize("max_queue", [0, 2])
@@ -110,7 +110,7 @@ def test_running_jobs_take_turns_so_a_short_one_finishes_first():
 
 
 def _beside_a_long_job(batched: bool, long_step_s: float, short_steps: int, short_step_s: float,
-                       fed: tuple[int, int] = (0, 0)) -> list[str]:
+                       fed: tuple[int, int] = (0, 0), short_tokens: int | None = None) -> list[str]:
     """A long job ("L" a step of ``long_step_s``, 60 of them) runs alone for 0.5 s of steps; then a short one
     arrives ("S" a step of ``short_step_s``). ``fed``: tokens each job's steps report to the tick's batcher (as a
     batched forward of that many rows does). The log of their steps once both have ended."""
@@ -136,7 +136,7 @@ def _beside_a_long_job(batched: bool, long_step_s: float, short_steps: int, shor
         try:
             jobs = [worker.submit(job("L", 60, long_step_s, fed[0]))]
             await asyncio.to_thread(ahead.wait, 30)
-            jobs.append(worker.submit(job("S", short_steps, short_step_s, fed[1])))
+            jobs.append(worker.submit(job("S", short_steps, short_step_s, fed[1]), short_tokens))
             for submitted in jobs:
                 while (await asyncio.wait_for(submitted.events.get(), 30))[0] != "end":
                     pass
@@ -157,6 +157,15 @@ def test_a_job_of_cheap_steps_beside_one_of_dear_steps_takes_most_turns():
     steps among them); by served time the long one waits once it is TURN_TOLERANCE_S ahead, after about 3."""
     log = _beside_a_long_job(False, long_step_s=0.1, short_steps=10, short_step_s=0.005)
     assert log.count("S") == 10 and _long_steps_among_the_short(log) <= 4, log
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_small_job_runs_its_steps_before_the_long_ones_next(batched):
+    """A job of SMALL_JOB_TOKENS tokens takes all its 10 steps before the long job's next one (the long one
+    would step after max_pause_s, 30 s here); one token more and it shares the turns (the test above)."""
+    log = _beside_a_long_job(batched, long_step_s=0.05, short_steps=10, short_step_s=0.02,
+                             short_tokens=SMALL_JOB_TOKENS)
+    assert log.count("S") == 10 and _long_steps_among_the_short(log) == 0, log
 
 
 def test_a_batched_tick_is_shared_by_the_tokens_each_step_fed():
@@ -190,6 +199,41 @@ def test_turns_go_to_the_least_served_and_to_jobs_that_waited_max_pause_s():
             worker._running.remove(worker._running[-1])
     finally:
         worker._running = []
+        worker.stop(10)
+
+
+def test_a_small_job_goes_first_and_the_others_step_once_per_max_pause_s():
+    worker = Worker(8, 4, max_pause_s=1.0)
+    try:
+        now = time.perf_counter()
+        jobs = []
+        for served, stepped, small in ((1.0, now, False), (4.9, now - 2.0, False), (3.0, now, True), (3.1, now, True),
+                                       (3.5, now, True)):
+            job = Job(None, asyncio.new_event_loop())
+            job.served, job.stepped, job.small = served, stepped, small
+            jobs.append((job, iter(())))
+        worker._running = list(jobs)
+        # the small ones within 0.25 s of the least-served small one (3.0, 3.1), and 4.9, which waited 2 s; the
+        # least-served job (1.0) is not small and waits
+        assert [job.served for job, _ in worker._due()] == [3.0, 3.1, 4.9]
+        worker._running = jobs[:2]  # no small job: served time again
+        assert [job.served for job, _ in worker._due()] == [1.0, 4.9]
+    finally:
+        worker._running = []
+        worker.stop(10)
+
+
+def test_run_marks_a_job_small_by_its_tokens():
+    worker = Worker(8, 2)
+    try:
+        loop = asyncio.new_event_loop()
+        for tokens, small in ((None, False), (SMALL_JOB_TOKENS, True), (SMALL_JOB_TOKENS + 1, False)):
+            job = Job(None, loop)
+            worker._queued.add(job)
+            worker._waiting += 1
+            worker.run(job, lambda emit, cancelled: None, tokens=tokens)
+            assert job.small is small
+    finally:
         worker.stop(10)
 
 

@@ -105,7 +105,7 @@ class GenerationServing:
             finally:
                 stream.close()
 
-        state.worker.run(job, work)
+        state.worker.run(job, work, tokens=len(prompts.target_ids) + decode.max_new_tokens)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         trace = bool(body.trace and body.stream)
         reply = Reply(chat, config.model_name, include_usage,
