@@ -83,3 +83,8 @@ def test_the_engine_refuses_a_negative_prefix_cache_in_one_line(tiny_model):
 
     with pytest.raises(RapidspecError, match="prefix_cache_gib must be >= 0"):
         Rapid(tiny_model, prefix_cache_gib=-1)
+    from rapidspec.engine.spec import EngineSpec
+
+    for bad in (-1, float("nan"), True, "2"):  # the spec every command builds: in the engine's part, not the models'
+        with pytest.raises(RapidspecError, match="prefix_cache_gib must be a number >= 0"):
+            EngineSpec(prefix_cache_gib=bad)

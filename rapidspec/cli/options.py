@@ -159,8 +159,7 @@ def model_spec(args: argparse.Namespace):
     return ModelSpec(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                      drafter_device=args.drafter_device, quantize=args.quantize, drafter_quantize=args.drafter_quantize,
                      runtime=args.runtime, drafter_backend=args.drafter_backend, drafter_threads=args.drafter_threads,
-                     drafter_prefill=args.drafter_prefill, drafter_gguf=args.drafter_gguf,
-                     prefix_cache_gib=getattr(args, "prefix_cache_gib", DEFAULT_PREFIX_CACHE_GIB))
+                     drafter_prefill=args.drafter_prefill, drafter_gguf=args.drafter_gguf)
 
 
 def load_models(args: argparse.Namespace):
@@ -189,7 +188,7 @@ def engine_spec(args: argparse.Namespace, reuse_document_cache: bool = True):
     from rapidspec.engine.spec import EngineSpec
 
     return EngineSpec(model_spec(args), retrieval_config(args), reuse_document_cache=reuse_document_cache,
-                      kv_cache_gib=getattr(args, "kv_cache_gib", 0.0), kv_cache_dir=getattr(args, "kv_cache_dir", None))
+                      prefix_cache_gib=getattr(args, "prefix_cache_gib", DEFAULT_PREFIX_CACHE_GIB), kv_cache_gib=getattr(args, "kv_cache_gib", 0.0), kv_cache_dir=getattr(args, "kv_cache_dir", None))
 
 
 def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):

@@ -122,7 +122,7 @@ class Rapid:
         models = spec.models
         target, drafter = loaded if loaded is not None else models.load()
         return cls(target, drafter, retrieval=spec.retrieval, prefill_chunk_tokens=spec.prefill_chunk_tokens,
-                   reuse_document_cache=spec.reuse_document_cache, prefix_cache_gib=models.prefix_cache_gib,
+                   reuse_document_cache=spec.reuse_document_cache, prefix_cache_gib=spec.prefix_cache_gib,
                    drafter_backend=models.drafter_backend, drafter_threads=models.drafter_threads,
                    drafter_prefill=models.drafter_prefill, drafter_gguf=models.drafter_gguf,
                    kv_cache_gib=spec.kv_cache_gib, kv_cache_dir=spec.kv_cache_dir)

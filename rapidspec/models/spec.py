@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rapidspec.config import (DEFAULT_PREFIX_CACHE_GIB, DRAFTER_BACKENDS, DRAFTER_GGUF_CHOICES, DRAFTER_PREFILLS,
+from rapidspec.config import (DRAFTER_BACKENDS, DRAFTER_GGUF_CHOICES, DRAFTER_PREFILLS,
                               DTYPE_NAMES, QUANTIZATIONS, ROUNDED_QUANTIZATIONS, RUNTIMES, TARGET_QUANTIZATIONS)
 from rapidspec.errors import RapidspecError
 
@@ -31,8 +31,7 @@ class ModelSpec:
     ``drafter_prefill``: when a llama.cpp drafter prefills (``auto``: beside the
     target's prefill where the CPU has cores to spare, ``beside``, ``after``);
     ``drafter_gguf``: ``auto`` reads a Q8_0 copy of a Q4_1 drafter file (it
-    prefills 2x faster, :mod:`rapidspec.runtime.gguf_copy`), ``as-is`` the file;
-    ``prefix_cache_gib``: the engine's store of target caches.
+    prefills 2x faster, :mod:`rapidspec.runtime.gguf_copy`), ``as-is`` the file.
     """
 
     target: str = "builtin"
@@ -47,7 +46,6 @@ class ModelSpec:
     drafter_threads: int | None = None
     drafter_prefill: str = "auto"
     drafter_gguf: str = "auto"
-    prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", DTYPE_NAMES), ("quantize", TARGET_QUANTIZATIONS), ("drafter_quantize", QUANTIZATIONS),
@@ -62,8 +60,6 @@ class ModelSpec:
             raise RapidspecError(f"drafter_gguf must be one of {', '.join(DRAFTER_GGUF_CHOICES)}, got {self.drafter_gguf!r}")
         if self.drafter_threads is not None and self.drafter_threads < 1:
             raise RapidspecError(f"drafter_threads must be >= 1, got {self.drafter_threads}")
-        if self.prefix_cache_gib < 0:
-            raise RapidspecError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
 
     def load(self):
         """(target, drafter): loaded models, the drafter None (self) or a name when llama.cpp reads it."""
