@@ -49,8 +49,8 @@ class ServerConfig:
     take to send a request's head, or pause within its body
     (:mod:`rapidspec.server.http`); ``allowed_origins``: CORS (empty = off,
     ``("*",)`` = any). ``shared_prefill_tokens``: while other requests run or wait, a prefill feeds at most this
-    many tokens a step, so theirs come between its chunks; alone, pieces of about a second
-    (:mod:`rapidspec.server.pieces`); 0 = whole chunks always.
+    many tokens a step, so theirs come between its chunks; alone, pieces of about a second and at least
+    256 tokens (:mod:`rapidspec.server.pieces`); 0 = whole chunks always.
     """
 
     model_name: str
