@@ -58,10 +58,27 @@ def replicas(local_ray, tiny_model_dir):
             time.sleep(0.5)
         else:
             pytest.fail("the replicas did not come up within 240 s")
+        _until_the_router_sends_to_both(url)
         yield url
         del board
     finally:
         serve.shutdown()
+
+
+def _until_the_router_sends_to_both(url: str, timeout: float = 120) -> None:
+    """Short requests of new sessions until each replica has answered one: /health lists the replicas from their
+    own reports, while the proxy's router may learn of the second one later; a conversation whose first turn came
+    before would find another home for its next (rendezvous hashing over the replicas the router knows)."""
+    deadline, session = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        served = _served(url)
+        if len(served) == 2 and all(count > 0 for count in served.values()):
+            return
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello."}], "max_tokens": 1, "mode": "lc"}
+        HTTP.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": f"warm-up-{session}"}, timeout=60)
+        session += 1
+        time.sleep(0.5)  # replicas report once a second
+    pytest.fail(f"the router did not send to both replicas within {timeout:.0f} s: {_served(url)}")
 
 
 def _turn(url: str, conversation: int | str, turns: int, header: bool) -> dict:
