@@ -146,8 +146,10 @@ def test_the_runtime_keeps_the_options_of_rapidspec_config():
     """The runtime imports nothing above it, so it keeps its own copies: the chunk of a cache made without an
     engine, and the quantizations it loads."""
     from rapidspec import config
+    from rapidspec.models import devices
     from rapidspec.runtime import cache, quantization
 
+    assert config.DTYPE_NAMES == ("auto", *devices._DTYPES)  # every name a user may give resolves to a dtype
     assert cache.PREFILL_CHUNK_TOKENS == config.DEFAULT_PREFILL_CHUNK_TOKENS
     for name in ("QUANTIZATIONS", "TARGET_QUANTIZATIONS", "ROUNDED_QUANTIZATIONS"):
         assert getattr(quantization, name) == getattr(config, name), name

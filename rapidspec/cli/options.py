@@ -188,7 +188,8 @@ def engine_spec(args: argparse.Namespace, reuse_document_cache: bool = True):
     from rapidspec.engine.spec import EngineSpec
 
     return EngineSpec(model_spec(args), retrieval_config(args), reuse_document_cache=reuse_document_cache,
-                      prefix_cache_gib=getattr(args, "prefix_cache_gib", DEFAULT_PREFIX_CACHE_GIB), kv_cache_gib=getattr(args, "kv_cache_gib", 0.0), kv_cache_dir=getattr(args, "kv_cache_dir", None))
+                      prefix_cache_gib=getattr(args, "prefix_cache_gib", DEFAULT_PREFIX_CACHE_GIB),
+                      kv_cache_gib=getattr(args, "kv_cache_gib", 0.0), kv_cache_dir=getattr(args, "kv_cache_dir", None))
 
 
 def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from rapidspec.errors import RapidspecError
-from rapidspec.config import DTYPE_NAMES
 from rapidspec.runtime.native_dtype import cpu_supports_bf16, native_dtype
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -17,7 +16,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-assert DTYPE_NAMES == ("auto", *_DTYPES)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
