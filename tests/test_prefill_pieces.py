@@ -38,6 +38,7 @@ def test_beside_other_requests_a_piece_is_shared_tokens_and_0_means_whole_chunks
     clock.now += 0.001
     assert pieces() == 64
     assert PrefillPieces(0, lambda: False, clock=clock)() is None
+    assert PrefillPieces(0, lambda: True, clock=clock)() is None
     crowded[0] = True
     for _ in range(3):  # beside others, the floor of a lone piece does not apply
         clock.now += 10.0
@@ -59,4 +60,3 @@ def test_alone_a_piece_grows_to_its_floor_however_slow_the_last_ran():
     crowded[0] = True
     clock.now += 8.0
     assert pieces() == 64  # beside others: ``shared`` tokens
-    assert PrefillPieces(0, lambda: True, clock=clock)() is None

@@ -178,9 +178,7 @@ def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, heade
     for conversation in range(4):
         second = answers[(conversation, 2)]["rapidspec"]["stats"]
         # the first turn's cache was there; where not, say whether the router sent the turn elsewhere
-        overflows = [line for line in HTTP.get(f"{replicas}/metrics", timeout=10).text.splitlines()
-                     if line.startswith("rapidspec:affinity_overflow_total")]
-        assert second["target_prefill_reused_tokens"] > 0, (conversation, _served(replicas), overflows)
+        assert second["target_prefill_reused_tokens"] > 0, (conversation, _served(replicas), _overflows(replicas))
     health = HTTP.get(f"{replicas}/health", timeout=10).json()
     assert health["status"] == "ok" and len(health["replicas"]) == 2
     assert "static/app.js" in HTTP.get(f"{replicas}/", timeout=10).text  # the page, through Serve's proxy

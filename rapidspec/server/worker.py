@@ -260,10 +260,11 @@ class Worker:
         running = sorted(self._running, key=lambda entry: entry[0].served)
         if not running:
             return running
-        now = time.perf_counter()
-        small = any(job.small for job, _ in running)
-        least = min(job.served for job, _ in running if job.small or not small)
-        return [(job, steps) for job, steps in running if (job.small or not small) and job.served <= least + TURN_TOLERANCE_S
+        now, small_first = time.perf_counter(), any(job.small for job, _ in running)
+        contending = [entry for entry in running if entry[0].small or not small_first]  # least served first
+        least = contending[0][0].served
+        return [(job, steps) for job, steps in running
+                if (job, steps) in contending and job.served <= least + TURN_TOLERANCE_S
                 or now - job.stepped >= self.max_pause_s]
 
     def _tick(self, running: list[tuple[Job, Iterator[None]]]) -> None:
