@@ -155,9 +155,15 @@ def _busy(url: str, running: int, waiting: int) -> str | None:
     return next((r["replica"] for r in _replicas(url) if (r["running"], r["waiting"]) == (running, waiting)), None)
 
 
-def _overflows(url: str) -> float:
+def _overflow_lines(url: str) -> list[str]:
+    """/metrics' overflow counters, one line per reason (``line``: the home's line was full; ``wait``: it did not
+    take the request within the router's max_wait_s)."""
     lines = HTTP.get(f"{url}/metrics", timeout=10).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("rapidspec:affinity_overflow_total"))
+    return [line for line in lines if line.startswith("rapidspec:affinity_overflow_total")]
+
+
+def _overflows(url: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in _overflow_lines(url))
 
 
 @pytest.mark.parametrize("header", [True, False], ids=["x-session-id", "plain-openai"])
@@ -178,7 +184,7 @@ def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, heade
     for conversation in range(4):
         second = answers[(conversation, 2)]["rapidspec"]["stats"]
         # the first turn's cache was there; where not, say whether the router sent the turn elsewhere
-        assert second["target_prefill_reused_tokens"] > 0, (conversation, _served(replicas), _overflows(replicas))
+        assert second["target_prefill_reused_tokens"] > 0, (conversation, _served(replicas), _overflow_lines(replicas))
     health = HTTP.get(f"{replicas}/health", timeout=10).json()
     assert health["status"] == "ok" and len(health["replicas"]) == 2
     assert "static/app.js" in HTTP.get(f"{replicas}/", timeout=10).text  # the page, through Serve's proxy
