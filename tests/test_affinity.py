@@ -15,7 +15,7 @@ from ray.serve.request_router import PendingRequest
 from rapidspec.scale.affinity import SessionAffinity, affinity_key
 from rapidspec.scale.fleet import ROUTER, FleetBoard
 from rapidspec.scale.proxy_errors import OpenAIErrorBodies
-from rapidspec.scale.router import AffinityRouter, default_max_line, home_of
+from rapidspec.scale.router import SETTLE_S, AffinityRouter, default_max_line, home_of
 from rapidspec.server.fleet import fleet_health, merged_metrics
 
 DOCS = ["A long report."]
@@ -120,8 +120,9 @@ def test_a_session_waits_for_its_home_until_its_line_reaches_the_bound():
             router.on_request_routed(pending(request, "s"), home.replica_id, None)
         router.on_request_routed(pending("health"), home.replica_id, None)  # no session: not in the line
         assert router.line(home.replica_id) == 2
-        assert await router.choose_replicas(replicas, pending("r3", "s")) == [[other], [home]]  # at the bound
-        router.on_request_routed(pending("r3", "s"), other.replica_id, None)
+        at_bound = pending("r3", "s", age_s=SETTLE_S)  # past the settling (the next test)
+        assert await router.choose_replicas(replicas, at_bound) == [[other], [home]]  # at the bound
+        router.on_request_routed(at_bound, other.replica_id, None)
         assert router.overflows == {"line": 1}
         router.on_request_completed(other.replica_id, "r1")  # not where r1 was: nothing changes
         router.on_request_completed(home.replica_id, "r1")
@@ -134,6 +135,30 @@ def test_a_session_waits_for_its_home_until_its_line_reaches_the_bound():
         assert await router.choose_replicas([home], pending("r6", "s")) == [[home]]  # nowhere else to go
         router.update_replicas([])  # the replicas left: their lines go
         assert router.line(home.replica_id) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_turn_that_finds_its_own_session_in_a_full_line_is_asked_again_before_it_overflows():
+    """A client's next turn can come before Serve tells the router the turn before ended: the full line it sees
+    may hold that turn. It is asked again (no replica yet) for up to SETTLE_S, then overflows as any other."""
+    async def scenario():
+        router = AffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.PROXY)
+        router.initialize_state(max_line=2, max_wait_s=30)
+        replicas = [FakeReplica("a"), FakeReplica("b")]
+        home = home_of("s", replicas)
+        other = next(r for r in replicas if r is not home)
+        router.on_request_routed(pending("turn-1", "s"), home.replica_id, None)
+        router.on_request_routed(pending("x1", "x"), home.replica_id, None)  # another session sharing the home
+        assert router.line(home.replica_id) == 2 and router.line(home.replica_id, "s") == 1
+        assert await router.choose_replicas(replicas, pending("turn-2", "s")) == []  # not yet: asked again
+        router.on_request_completed(home.replica_id, "turn-1")  # Serve hears the turn before ended
+        assert await router.choose_replicas(replicas, pending("turn-2", "s")) == [[home]]  # home, with its prefix
+        router.on_request_routed(pending("turn-2", "s"), home.replica_id, None)
+        assert await router.choose_replicas(replicas, pending("turn-3", "s", age_s=SETTLE_S)) == [[other], [home]]
+        neighbour = next(f"y{i}" for i in range(100) if home_of(f"y{i}", replicas) is home)
+        assert await router.choose_replicas(replicas, pending("y1", neighbour)) == [[other], [home]]  # not in it
+        assert router.overflows == {}  # nothing routed elsewhere yet
 
     asyncio.run(scenario())
 

@@ -28,6 +28,7 @@ import pytest
 from rapidspec.engine.spec import EngineSpec
 from rapidspec.models.spec import ModelSpec
 from rapidspec.retrieval import RetrievalConfig
+from rapidspec.scale.fleet import REPORT_EVERY_S
 from rapidspec.server import ServerConfig
 from tests.server_harness import HTTP, free_port, wait_until
 
@@ -169,7 +170,7 @@ def _overflows(url: str) -> float:
 @pytest.mark.parametrize("header", [True, False], ids=["x-session-id", "plain-openai"])
 def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, header):
     answers: dict[tuple[int, int], dict] = {}
-    finished_before = sum(_served(replicas).values())
+    finished_before = sum(_settled(replicas).values())
 
     def chat(conversation: int) -> None:
         for turns in (1, 2):
@@ -190,6 +191,18 @@ def test_conversations_stay_on_their_replica_and_nothing_is_lost(replicas, heade
     assert "static/app.js" in HTTP.get(f"{replicas}/", timeout=10).text  # the page, through Serve's proxy
     # replicas report once a second
     assert wait_until(lambda: sum(_served(replicas).values()) == finished_before + 8, timeout=15)
+
+
+def _settled(url: str, timeout: float = 30) -> dict[str, float]:
+    """:func:`_served` once two reads a report apart agree: a request that ended just before is counted."""
+    last, deadline = _served(url), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(1.5 * REPORT_EVERY_S)
+        now = _served(url)
+        if now == last:
+            return now
+        last = now
+    pytest.fail(f"the replicas' reports did not settle within {timeout:.0f} s: {last}")
 
 
 def _served(url: str) -> dict[str, float]:

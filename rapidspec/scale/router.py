@@ -28,7 +28,11 @@ machine was quiet, 2 of 4 while another process held one core.
    *overflows*: the other replicas are asked first (Serve takes the one with
    the shortest queue), the home last. Each overflow is counted on the fleet
    board and shown in ``/metrics`` as
-   ``rapidspec:affinity_overflow_total{reason="line"|"wait"}``.
+   ``rapidspec:affinity_overflow_total{reason="line"|"wait"}``. A request
+   whose own session is in the line at the bound is asked again for up to
+   ``SETTLE_S`` first: a client sends its next turn as soon as the last one
+   answers, and Serve tells the router that a request ended only after its
+   answer has gone, so the turn before may still count.
 5. A request without a session id (``/health``, ``/metrics``, the page)
    goes to the replica with the shortest queue.
 
@@ -57,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a request tries its home before it overflows, when the home does not take it (does not answer).
 DEFAULT_MAX_WAIT_S = 30.0
+#: Seconds a request whose own session is in its home's full line waits for the router to hear that it ended.
+SETTLE_S = 2.0
 #: Overflow decisions kept for requests not yet routed (older ones, of clients that left, are dropped).
 KEPT_DECISIONS = 1024
 
@@ -95,7 +101,7 @@ class AffinityRouter(RequestRouter):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_line, self.max_wait_s = default_max_line(4, 16), DEFAULT_MAX_WAIT_S
-        self._sent: dict[str, ReplicaID] = {}  # internal request id -> replica, for requests not ended
+        self._sent: dict[str, tuple[ReplicaID, str]] = {}  # internal request id -> (replica, session), not ended
         self._decisions: dict[str, tuple[str, ReplicaID]] = {}  # internal request id -> (reason, home)
         self.overflows: dict[str, int] = {}  # reason -> requests (this router's; the board sums them for /metrics)
         self._board = None
@@ -109,9 +115,9 @@ class AffinityRouter(RequestRouter):
             raise ValueError(f"max_wait_s must be > 0, got {max_wait_s!r}")
         self.max_wait_s = float(max_wait_s)
 
-    def line(self, replica_id: ReplicaID) -> int:
-        """The requests with a session id this router sent to ``replica_id`` that have not ended."""
-        return sum(1 for sent_to in self._sent.values() if sent_to == replica_id)
+    def line(self, replica_id: ReplicaID, session: str | None = None) -> int:
+        """The requests with a session id (``session``, if given) this router sent to ``replica_id``, not ended."""
+        return sum(1 for sent_to, of in self._sent.values() if sent_to == replica_id and session in (None, of))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -121,12 +127,15 @@ class AffinityRouter(RequestRouter):
         if pending_request is None or not pending_request.metadata.session_id:
             return [candidate_replicas]  # Serve takes the shortest queue
         pending_request.routing_context.should_backoff = True  # between two tries of the home, back off
-        home = home_of(pending_request.metadata.session_id, candidate_replicas)
+        session = pending_request.metadata.session_id
+        home = home_of(session, candidate_replicas)
         others = [r for r in candidate_replicas if r is not home]
-        reason = overflow_reason(self.line(home.replica_id), time.time() - pending_request.created_at,
-                                 self.max_line, self.max_wait_s)
+        waited_s = time.time() - pending_request.created_at
+        reason = overflow_reason(self.line(home.replica_id), waited_s, self.max_line, self.max_wait_s)
         if reason is None or not others:
             return [[home]]
+        if reason == "line" and waited_s < SETTLE_S and self.line(home.replica_id, session):
+            return []  # its turn before may have ended unheard (module docstring): Serve backs off and asks again
         self._decide(pending_request.metadata.internal_request_id, reason, home.replica_id)
         return [others, [home]]
 
@@ -134,14 +143,14 @@ class AffinityRouter(RequestRouter):
         """A replica took the request: it joins that replica's line; an overflow is counted."""
         request_id = pending_request.metadata.internal_request_id
         if pending_request.metadata.session_id:
-            self._sent[request_id] = replica_id
+            self._sent[request_id] = (replica_id, pending_request.metadata.session_id)
         reason, home = self._decisions.pop(request_id, (None, None))
         if reason is not None and replica_id != home:
             self._count_overflow(reason, home)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The request ended (answered, failed or cancelled): it leaves the line of the replica that had it."""
-        if self._sent.get(internal_request_id) == replica_id:
+        if self._sent.get(internal_request_id, (None,))[0] == replica_id:
             del self._sent[internal_request_id]
         self._decisions.pop(internal_request_id, None)
 
@@ -149,7 +158,7 @@ class AffinityRouter(RequestRouter):
         """Serve's new set of replicas: the lines of those that left are dropped."""
         super().update_replicas(replicas)
         present = {r.replica_id for r in replicas}
-        self._sent = {request: replica for request, replica in self._sent.items() if replica in present}
+        self._sent = {request: sent for request, sent in self._sent.items() if sent[0] in present}
 
     def _decide(self, request_id: str, reason: str, home: ReplicaID) -> None:
         self._decisions[request_id] = (reason, home)
