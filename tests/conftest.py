@@ -308,9 +308,7 @@ def vllm_offline(smollm2, tmp_path_factory):
     folder = export_model("builtin:smollm2-135m", tmp_path_factory.mktemp("vllm") / "smollm2", dtype="float32")
     config = DecodeConfig(mode="lc", temperature=0.0, max_new_tokens=CHAT_MAX_TOKENS)
     prompt_ids = list(Rapid(smollm2).chat_prompts(CHAT, config).target_ids)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAPIDSPEC_VLLM_OPTIONS", '{"prepare": "inline"}')
-        return run_offline(folder, prompt_ids)
+    return run_offline(folder, prompt_ids)
 
 
 def train_bpe_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:

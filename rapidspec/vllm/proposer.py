@@ -105,8 +105,9 @@ class RapidProposer:
             self._warm_up()
         else:
             self._beside.submit(self._warm_up)
-        logger.info("rapidspec proposer: drafter %s, up to %d drafts a step (%s schedule), retrieval %s",
-                    self.pool.label, self.most, self.options.schedule, self.options.retrieval.method)
+        logger.info("rapidspec proposer: drafter %s, up to %d drafts a step (%s schedule), retrieval %s, prepared %s",
+                    self.pool.label, self.most, self.options.schedule, self.options.retrieval.method,
+                    self.options.prepare)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's call to load a proposer's model: the drafter was loaded when the proposer was built."""
