@@ -1,13 +1,15 @@
 """How long a small request and /health wait beside legal but expensive requests (docs/serving.md quotes it).
 
     python -m benchmarks.serve_beside --repeats 3 [--serve-args '--shared-prefill-tokens 0']
+    python -m benchmarks.serve_beside --repeats 1 --cases lc --document-tokens 32000 --delay 300
 
 Starts `rapidspec serve` (built-in model by default) on 127.0.0.1; for each expensive request below, --repeats
 times: sends it, sends a small chat request (8 tokens) --delay seconds later, and asks /health every 50 ms until
 both are answered. Reports, per case, the expensive request's status and seconds, the small request's whole
 answer time and /health's slowest answer (medians over the repeats), and the small request alone first.
 
-* a first-seen document of 8K tokens (mode lc: the target prefills it, chunk after chunk);
+* a first-seen document of 8K tokens, or --document-tokens (mode lc: the target prefills it, piece after piece;
+  with --delay the small request comes that far into the prefill);
 * a first-seen document of four windows (mode rag, truncate middle: sizing, retrieval and embedding);
 * 60,000 empty messages (truncate middle);
 * a 2 MB query (truncate middle);
@@ -43,7 +45,7 @@ HEALTH_EVERY_S = 0.05
 TIMEOUT_S = 300
 
 
-def cases(window: int) -> dict[str, tuple[str, Callable[[], dict]]]:
+def cases(window: int, document_tokens: int = 8192) -> dict[str, tuple[str, Callable[[], dict]]]:
     """name -> (route, body maker); bodies are made one at a time, the document new each time (first seen)."""
     question = [{"role": "user", "content": "What happened on the third day?"}]
 
@@ -52,9 +54,10 @@ def cases(window: int) -> dict[str, tuple[str, Callable[[], dict]]]:
         return f"Log {uuid.uuid4().hex}.\n{half}\n\n{half}"
 
     return {
-        "first-seen 8K-token document (lc: the target's prefill)": ("/v1/chat/completions", lambda: {
-            "messages": question, "mode": "lc", "max_tokens": 8,
-            "documents": [f"Log {uuid.uuid4().hex}.\n" + demo_document(target_tokens=8192).document]}),
+        f"first-seen {document_tokens / 1000:.0f}K-token document (lc: the target's prefill)": (
+            "/v1/chat/completions", lambda: {
+                "messages": question, "mode": "lc", "max_tokens": 8,
+                "documents": [f"Log {uuid.uuid4().hex}.\n" + demo_document(target_tokens=document_tokens).document]}),
         "first-seen 4-window document (rag)": ("/v1/chat/completions", lambda: {
             "messages": question, "mode": "rag", "truncate": "middle", "max_tokens": 8, "documents": [document()]}),
         "60,000 empty messages": ("/v1/chat/completions", lambda: {
@@ -113,10 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", default="", help="only the cases whose names hold this text (default: all)")
     parser.add_argument("--delay", type=float, default=0.3, help="seconds between the expensive and the small request")
+    parser.add_argument("--document-tokens", type=int, default=8192, help="the lc case's document length")
     parser.add_argument("--serve-args", default="", help="more options of rapidspec serve, as one string")
     args = parser.parse_args(argv)
     if not 1 <= args.repeats <= 20:
         parser.error("--repeats must be in [1, 20]")
+    if not 1024 <= args.document_tokens <= 131072:
+        parser.error("--document-tokens must be in [1024, 131072]")
     results: dict[str, list[dict]] = {}
     load = os.getloadavg()[0]
     with LocalServer(LaunchConfig(("--target", args.target, *shlex.split(args.serve_args)))) as server, \
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             timed_post(client, "/v1/chat/completions", SMALL, out)
             alone.append(out["seconds"])
         for _ in range(args.repeats):
-            for name, (route, make_body) in cases(window).items():
+            for name, (route, make_body) in cases(window, args.document_tokens).items():
                 if args.cases in name:
                     results.setdefault(name, []).append(beside(client, route, make_body(), args.delay))
     medians = {name: {key: statistics.median(r[key] for r in runs) for key in ("expensive_s", "small_s", "health_max_s")}

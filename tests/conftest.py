@@ -146,14 +146,16 @@ def pytest_collection_modifyitems(items):
 
 
 def _long_work_first(items):
-    """``items`` with the groups and tests that load real models or run vLLM first, then the other groups (a
-    module's shared fixtures), then the rest, each group's tests in their order: the workers (``make test`` passes
-    ``--no-loadscope-reorder``, which keeps this order) start the long work at once and the short tests fill the
-    end, where pytest-xdist would start groups by their count of tests and the longest ones could come last."""
+    """``items`` with the groups and tests that run vLLM first (each starts vLLM's engines: minutes), then those
+    that load real models, then the other groups (a module's shared fixtures), then the rest, each group's tests
+    in their order: the workers (``make test`` passes ``--no-loadscope-reorder``, which keeps this order) start the
+    long work at once and the short tests fill the end, where pytest-xdist would start groups by their count of
+    tests and the longest ones could come last (vLLM's group last ran alone for 3 minutes at the end of a run)."""
     item_scopes = [_scope(item) for item in items]
-    scopes: dict[str, tuple[int, int]] = {}  # scope -> (class: 0 real model or vLLM, 1 grouped, 2 other; first index)
+    scopes: dict[str, tuple[int, int]] = {}  # scope -> (class: 0 vLLM, 1 real model, 2 grouped, 3 other; first index)
     for index, (item, scope) in enumerate(zip(items, item_scopes)):
-        kind = 0 if item.get_closest_marker("slow") or item.get_closest_marker("vllm") else 1 if scope != item.nodeid else 2
+        kind = (0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow")
+                else 2 if scope != item.nodeid else 3)
         known = scopes.get(scope)
         scopes[scope] = (min(kind, known[0]), known[1]) if known else (kind, index)
     order = sorted(range(len(items)), key=lambda index: (*scopes[item_scopes[index]], index))

@@ -260,7 +260,8 @@ class Rapid:
         ``prefill_progress(done, total)`` hears of each target prefill chunk (a progress bar);
         ``yield_prefill_chunks`` yields an empty chunk after each, its ``prefill`` saying how far it got (a caller
         interleaving generations; run them all inside ``torch.inference_mode()``, as the server's worker does), and
-        ``prefill_chunk_limit()``, asked before each chunk, may make the next one shorter (None: no limit). A
+        ``prefill_chunk_limit()``, asked before each chunk, may make the next one shorter (None: no limit; a
+        limited chunk of a lean target yields an empty chunk without ``prefill`` between its layers too). A
         prefill stopped or closed early keeps what it read (the prefix cache and the disk) for the next request.
         ``config.time_limit_s`` ends the answer with stop reason ``time`` (a RapidspecError when the prefill alone
         takes longer).
@@ -386,9 +387,9 @@ class Rapid:
             stats.target_prefill_disk_tokens = self.disk_store.extend(cache, wanted)
             stats.target_prefill_reused_tokens = cache.length
         try:
-            for _ in cache.prefill_chunks(wanted[cache.length :], should_stop, progress, chunk_limit):
-                if ticks:
-                    yield StreamChunk(text="", prefill=(cache.length, len(wanted)))
+            for done in cache.prefill_chunks(wanted[cache.length :], should_stop, progress, chunk_limit):
+                if ticks:  # done None: between two layers of a limited chunk (no news)
+                    yield StreamChunk(text="", prefill=None if done is None else (cache.length, len(wanted)))
         except (PrefillStopped, GeneratorExit):  # a cancelled request: the next one starts from what was read
             if use_store:
                 self._keep(cache)

@@ -157,7 +157,8 @@ class HeldTokens:
         """A generator over a chunked prefill: yields the tokens done after each chunk, returns what :meth:`prefill` does.
 
         The caller can do other work between chunks (the server interleaves requests this way); ``chunk_limit()``,
-        asked before each chunk, may make it shorter than :attr:`prefill_chunk_tokens` (None: no limit).
+        asked before each chunk, may make it shorter than :attr:`prefill_chunk_tokens` (None: no limit). A chunk
+        so limited runs through :meth:`forward_by_layer`: where that yields between layers, so does this, None.
         """
         logits = None
         total, start = len(token_ids), 0
@@ -168,12 +169,18 @@ class HeldTokens:
                 progress(0, total)
             limit = None if chunk_limit is None else chunk_limit()
             size = self.prefill_chunk_tokens if not limit else max(1, min(limit, self.prefill_chunk_tokens))
-            logits = self.forward(token_ids[start : start + size], num_logits=1)
+            chunk = token_ids[start : start + size]
+            logits = self.forward(chunk, num_logits=1) if not limit else (yield from self.forward_by_layer(chunk))
             start = min(start + size, total)
             if progress is not None:
                 progress(start, total)
             yield start
         return logits
+
+    def forward_by_layer(self, token_ids: Sequence[int], num_logits: int = 1) -> Generator[None, None, torch.Tensor]:
+        """:meth:`forward` as a generator that a cache may pause between layers (this one runs it whole)."""
+        return self.forward(token_ids, num_logits)
+        yield  # unreachable: makes this a generator
 
     def prefill(
         self,

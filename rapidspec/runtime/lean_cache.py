@@ -69,15 +69,36 @@ class LeanKVCache(HeldTokens):
 
     def forward(self, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
         """Append ``token_ids`` and return float32 logits [num_logits, V] of the last ``num_logits`` of them."""
-        self._check_forward(token_ids, num_logits)
-        start = self.length
-        self.reserve(start + len(token_ids))
-        input_ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)  # [T]
-        row = Row(input_ids, self._keys, self._values, start, num_logits)
+        row = self._row(token_ids, num_logits)
         batcher = current_batcher()  # a server step batched with others (rapidspec.runtime.batching)
         logits = self.lean.forward_rows([row])[0] if batcher is None else batcher.forward(self.lean, row)
         self._token_ids.extend(int(t) for t in token_ids)
         return logits.float()  # [num_logits, V]
+
+    def forward_by_layer(self, token_ids: Sequence[int], num_logits: int = 1) -> Generator[None, None, torch.Tensor]:
+        """:meth:`forward`, yielding after each layer, unless it runs in a batched server step (then it is one
+        row of the batch, whole). Closed early, the cache holds what it held before."""
+        if current_batcher() is not None:
+            return self.forward(token_ids, num_logits)
+        row = self._row(token_ids, num_logits)
+        layers = self.lean.forward_rows_by_layer([row])
+        while True:
+            try:
+                next(layers)
+            except StopIteration as done:
+                logits = done.value[0]
+                break
+            yield
+        self._token_ids.extend(int(t) for t in token_ids)
+        return logits.float()  # [num_logits, V]
+
+    def _row(self, token_ids: Sequence[int], num_logits: int) -> Row:
+        """The forward's row: ``token_ids`` after the held tokens, room reserved for them."""
+        self._check_forward(token_ids, num_logits)
+        start = self.length
+        self.reserve(start + len(token_ids))
+        input_ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)  # [T]
+        return Row(input_ids, self._keys, self._values, start, num_logits)
 
     def prefill_chunks(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None,
                        progress: Callable[[int, int], None] | None = None,
