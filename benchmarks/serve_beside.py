@@ -1,7 +1,7 @@
 """How long a small request and /health wait beside legal but expensive requests (docs/serving.md quotes it).
 
     python -m benchmarks.serve_beside --repeats 3 [--serve-args '--shared-prefill-tokens 0']
-    python -m benchmarks.serve_beside --repeats 1 --cases lc --document-tokens 32000 --delay 300
+    python -m benchmarks.serve_beside --repeats 1 --cases lc --document-tokens 32000 --delay 300 --timeout 900
 
 Starts `rapidspec serve` (built-in model by default) on 127.0.0.1; for each expensive request below, --repeats
 times: sends it, sends a small chat request (8 tokens) --delay seconds later, and asks /health every 50 ms until
@@ -80,7 +80,7 @@ def timed_post(client: httpx.Client, route: str, body: dict, out: dict) -> None:
     out["ended"] = time.perf_counter()
 
 
-def beside(client: httpx.Client, route: str, body: dict, delay: float) -> dict:
+def beside(client: httpx.Client, route: str, body: dict, delay: float, timeout: float = TIMEOUT_S) -> dict:
     """The expensive request, the small one ``delay`` s later, /health polled until both are answered.
 
     One client (its connections made before the clock starts), so no client set-up holds this process's GIL
@@ -94,14 +94,16 @@ def beside(client: httpx.Client, route: str, body: dict, delay: float) -> dict:
     time.sleep(delay)
     light = threading.Thread(target=timed_post, args=(client, "/v1/chat/completions", SMALL, small))
     light.start()
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while (heavy.is_alive() or light.is_alive()) and time.monotonic() < deadline:
         started = time.perf_counter()
         client.get("/health")
         health.append((time.perf_counter() - started, started))
         time.sleep(HEALTH_EVERY_S)
-    heavy.join(TIMEOUT_S)
-    light.join(TIMEOUT_S)
+    heavy.join(timeout)
+    light.join(timeout)
+    if "status" not in expensive:
+        raise RuntimeError(f"the expensive request got no answer within --timeout {timeout:.0f} s")
     if small.get("status") != 200:
         raise RuntimeError(f"the small request got {small.get('status')}")
     slowest, asked = max(health, default=(0.0, 0.0))
@@ -117,16 +119,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="", help="only the cases whose names hold this text (default: all)")
     parser.add_argument("--delay", type=float, default=0.3, help="seconds between the expensive and the small request")
     parser.add_argument("--document-tokens", type=int, default=8192, help="the lc case's document length")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S,
+                        help="seconds each request may take (a 32K-token document's prefill takes minutes)")
     parser.add_argument("--serve-args", default="", help="more options of rapidspec serve, as one string")
     args = parser.parse_args(argv)
     if not 1 <= args.repeats <= 20:
         parser.error("--repeats must be in [1, 20]")
+    if not args.timeout > 0:
+        parser.error("--timeout must be > 0")
     if not 1024 <= args.document_tokens <= 131072:
         parser.error("--document-tokens must be in [1024, 131072]")
     results: dict[str, list[dict]] = {}
     load = os.getloadavg()[0]
     with LocalServer(LaunchConfig(("--target", args.target, *shlex.split(args.serve_args)))) as server, \
-            httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
+            httpx.Client(base_url=server.url, timeout=args.timeout) as client:
         window = client.get("/v1/models").json()["data"][0]["max_model_len"]
         for _ in range(2):  # warm up (the first request loads the retrieval models)
             client.post("/v1/chat/completions", json=SMALL | {"documents": ["a note"]})
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             for name, (route, make_body) in cases(window, args.document_tokens).items():
                 if args.cases in name:
-                    results.setdefault(name, []).append(beside(client, route, make_body(), args.delay))
+                    results.setdefault(name, []).append(beside(client, route, make_body(), args.delay, args.timeout))
     medians = {name: {key: statistics.median(r[key] for r in runs) for key in ("expensive_s", "small_s", "health_max_s")}
                | {"statuses": sorted({r["status"] for r in runs})} for name, runs in results.items()}
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average at the start {load:.2f}; "

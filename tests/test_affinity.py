@@ -108,13 +108,18 @@ def test_a_home_per_session_and_only_a_leaving_replicas_sessions_move():
     assert default_max_line(4, 16) == 8 and default_max_line(2, 0) == 2 and default_max_line(1, 1) == 2
 
 
+def _router_of_two() -> tuple[AffinityRouter, list[FakeReplica], FakeReplica, FakeReplica]:
+    """A router with a line bound of 2 over two replicas, session "s"'s home and the other one."""
+    router = AffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.PROXY)
+    router.initialize_state(max_line=2, max_wait_s=30)
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    home = home_of("s", replicas)
+    return router, replicas, home, next(r for r in replicas if r is not home)
+
+
 def test_a_session_waits_for_its_home_until_its_line_reaches_the_bound():
     async def scenario():
-        router = AffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.PROXY)
-        router.initialize_state(max_line=2, max_wait_s=30)
-        replicas = [FakeReplica("a"), FakeReplica("b")]
-        home = home_of("s", replicas)
-        other = next(r for r in replicas if r is not home)
+        router, replicas, home, other = _router_of_two()
         assert await router.choose_replicas(replicas, pending("r1", "s")) == [[home]]  # only home: it waits there
         for request in ("r1", "r2"):
             router.on_request_routed(pending(request, "s"), home.replica_id, None)
@@ -143,11 +148,7 @@ def test_a_turn_that_finds_its_own_session_in_a_full_line_is_asked_again_before_
     """A client's next turn can come before Serve tells the router the turn before ended: the full line it sees
     may hold that turn. It is asked again (no replica yet) for up to SETTLE_S, then overflows as any other."""
     async def scenario():
-        router = AffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.PROXY)
-        router.initialize_state(max_line=2, max_wait_s=30)
-        replicas = [FakeReplica("a"), FakeReplica("b")]
-        home = home_of("s", replicas)
-        other = next(r for r in replicas if r is not home)
+        router, replicas, home, other = _router_of_two()
         router.on_request_routed(pending("turn-1", "s"), home.replica_id, None)
         router.on_request_routed(pending("x1", "x"), home.replica_id, None)  # another session sharing the home
         assert router.line(home.replica_id) == 2 and router.line(home.replica_id, "s") == 1

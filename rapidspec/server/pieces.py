@@ -1,8 +1,10 @@
 """How many tokens a served prefill feeds in one step of the worker.
 
 A request that arrives while another prefills waits for that prefill's
-current piece before its own first step (:mod:`rapidspec.server.worker`), so
-a piece is kept short: about :data:`PIECE_S` seconds at the rate the last
+current piece before its own first step (:mod:`rapidspec.server.worker`); on
+the lean runtime a piece yields between its layers
+(:meth:`~rapidspec.runtime.lean_cache.LeanKVCache.forward_by_layer`), so it
+waits for one layer of it. A piece is kept short: about :data:`PIECE_S` seconds at the rate the last
 piece ran (whole chunks where the device is fast), but never under
 :data:`ALONE_MIN_TOKENS` once grown there, growing at most twofold from one
 piece to the next, from ``shared`` tokens. While other requests run
