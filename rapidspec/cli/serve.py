@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     announce_unfinished()
     engine = load_engine(args)
     app = create_app(engine, config)
+    app.state.server.warm_up_retrieval()
     logging.getLogger("rapidspec").setLevel(logging.INFO)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, read_timeout_s=config.read_timeout_s,
                                            log_level="info", timeout_graceful_shutdown=args.shutdown_timeout),

@@ -164,6 +164,7 @@ class Retriever:
         self._private_tokenizer: Any = None
         self._tokenizer_fingerprint: str | None = None
         self._embedder = embedder
+        self._embedder_lock = threading.Lock()  # loaded once, whichever thread asks first (a server's warm-up)
         self._documents: OrderedDict[str, _DocumentState] = OrderedDict()
         self._documents_lock = threading.Lock()  # a server prepares requests on several threads
         gib = self.config.embedding_store_gib
@@ -173,7 +174,10 @@ class Retriever:
     def embedder(self) -> Any:
         """The sentence-transformers model, loaded on first access."""
         if self._embedder is None:
-            self._embedder = load_embedder(self.config.embedding_model, self.config.device, self.config.embedding_dtype)
+            with self._embedder_lock:
+                if self._embedder is None:
+                    self._embedder = load_embedder(self.config.embedding_model, self.config.device,
+                                                   self.config.embedding_dtype)
         return self._embedder
 
     def warm_up(self) -> None:

@@ -56,6 +56,7 @@ class RapidspecReplica:
 
         reporter = FleetReporter(ray.get_actor(FLEET_ACTOR, namespace=FLEET_NAMESPACE), self.replica)
         app = create_app(self.engine, self.config, fleet=reporter)
+        app.state.server.warm_up_retrieval()
         reporter.start(app.state.health, app.state.metrics.render)
         return app
 

@@ -6,11 +6,12 @@ Built once by :func:`rapidspec.server.app.create_app` and kept as
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from fastapi import Request
 
@@ -22,6 +23,8 @@ from rapidspec.server.http import Drain
 from rapidspec.server.metrics import ServerMetrics
 from rapidspec.server.tokens import ServerTokens, TokenPieces
 from rapidspec.server.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 #: Retrievers of other retrieval settings kept for requests (least recently used dropped beyond this).
 KEPT_RETRIEVERS = 4
@@ -53,6 +56,19 @@ class ServerState:
         self._retrievers: OrderedDict[RetrievalConfig, Retriever] = OrderedDict()
         self._retrievers_lock = threading.Lock()
         self.default_eta, self.eta_reason = engine.resolve(config.decode.with_(mode="rapid"))
+
+    def warm_up_retrieval(self) -> Future:
+        """Load what the engine's first retrieval would (the embedder: seconds) on a thread of lower priority, so
+        that the first request with a long document does not load it beside the others' steps (``rapidspec
+        serve`` calls this once it has its app; a failure is logged, and said again by the first request)."""
+
+        def warm_up() -> None:
+            try:
+                self.engine.retriever.warm_up()
+            except Exception as err:  # noqa: BLE001
+                logger.warning("retrieval could not warm up: %s: %s", type(err).__name__, err)
+
+        return self.background_preparer.submit(warm_up)
 
     def check_model(self, name: str | None) -> None:
         """A request naming another model than the one served is a 404 (as OpenAI answers)."""
