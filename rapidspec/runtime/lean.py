@@ -254,8 +254,8 @@ class LeanModel:
                 return done.value
 
     @torch.inference_mode()  # entered around each step of the generator, on whichever thread runs it
-    def forward_rows_by_layer(self, rows: Sequence[Row]) -> Generator[int, None, list[torch.Tensor]]:
-        """:meth:`forward_rows` a layer at a time: yields each layer's index once it is done, returns the logits.
+    def forward_rows_by_layer(self, rows: Sequence[Row]) -> Generator[None, None, list[torch.Tensor]]:
+        """:meth:`forward_rows` a layer at a time: yields after each layer, returns the logits.
 
         The same operations in the same order (the same logits); between two layers the caller may run other
         work, as long as nothing else writes ``rows``' buffers. Closed early, the rows' positions past their
@@ -263,7 +263,7 @@ class LeanModel:
         """
         return (yield from self._forward(rows))
 
-    def _forward(self, rows: Sequence[Row]) -> Generator[int, None, list[torch.Tensor]]:
+    def _forward(self, rows: Sequence[Row]) -> Generator[None, None, list[torch.Tensor]]:
         lengths = [row.token_ids.shape[0] for row in rows]
         tables = [self.rope_tables(row.start, n) for row, n in zip(rows, lengths)]  # [T_r, d] each
         x = self.embed(torch.cat([row.token_ids for row in rows]) if len(rows) > 1 else rows[0].token_ids)  # [sum T, D]
@@ -286,7 +286,7 @@ class LeanModel:
             x = x + layer.o_proj(torch.cat(attended) if len(rows) > 1 else attended[0])
             h = rms_norm(x, layer.post_norm, self.eps)
             x = x + layer.mlp(h)
-            yield index
+            yield
         ends = list(accumulate(lengths))
         last = [x[end - row.num_logits : end] for row, end in zip(rows, ends)]  # [num_logits_r, D] each
         logits = self.lm_head(rms_norm(torch.cat(last) if len(rows) > 1 else last[0], self.final_norm, self.eps))

@@ -81,14 +81,7 @@ class LeanKVCache(HeldTokens):
         if current_batcher() is not None:
             return self.forward(token_ids, num_logits)
         row = self._row(token_ids, num_logits)
-        layers = self.lean.forward_rows_by_layer([row])
-        while True:
-            try:
-                next(layers)
-            except StopIteration as done:
-                logits = done.value[0]
-                break
-            yield
+        logits = (yield from self.lean.forward_rows_by_layer([row]))[0]
         self._token_ids.extend(int(t) for t in token_ids)
         return logits.float()  # [num_logits, V]
 
