@@ -261,10 +261,9 @@ class Worker:
         if not running:
             return running
         now, small_first = time.perf_counter(), any(job.small for job, _ in running)
-        contending = [entry for entry in running if entry[0].small or not small_first]  # least served first
-        least = contending[0][0].served
+        least = next(job.served for job, _ in running if job.small or not small_first)  # of those contending
         return [(job, steps) for job, steps in running
-                if (job, steps) in contending and job.served <= least + TURN_TOLERANCE_S
+                if (job.small or not small_first) and job.served <= least + TURN_TOLERANCE_S
                 or now - job.stepped >= self.max_pause_s]
 
     def _tick(self, running: list[tuple[Job, Iterator[None]]]) -> None:
