@@ -31,9 +31,9 @@ from tqdm import tqdm
 from rapidspec import Rapid
 from rapidspec.cli.options import add_model_options, load_models
 from rapidspec.config import DecodeConfig
-from rapidspec.conversation import parse_messages, render
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import LOCOMO_ADVERSARIAL, locomo_sessions
+from rapidspec.prompting.conversation import parse_messages, render
 from rapidspec.retrieval import RetrievalConfig
 
 WINDOW_MARGIN = 64

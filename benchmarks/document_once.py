@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="the target's dtype (default: %(default)s)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (updated after each length)")
     args = parser.parse_args(argv)
-    from rapidspec.demo_document import demo_document
     from rapidspec.models import load_model
+    from rapidspec.prompting.demo_document import demo_document
 
     tokenizer = load_model(args.target, dtype=args.dtype).tokenizer
     header = {"cpu": cpu_line(), "load_average_at_start": os.getloadavg(), "target": args.target, "mode": args.mode,

@@ -54,7 +54,7 @@ def cut(tokenizer, text: str, tokens: int) -> str | None:
 
 def builtin_records(tokenizer, tokens: int) -> list[dict]:
     from rapidspec.bench.serve.dataset import BUILTIN_QUESTIONS
-    from rapidspec.demo_document import demo_document
+    from rapidspec.prompting.demo_document import demo_document
 
     return [{"document": demo_document(target_tokens=tokens, tokenizer=tokenizer).document,
              "questions": list(BUILTIN_QUESTIONS)}]

@@ -87,8 +87,8 @@ def main() -> int:
     parser.add_argument("--profile-context", type=int, default=None, metavar="N",
                         help="instead: where one chunk's time goes (torch.profiler, by operator) after N cached tokens")
     args = parser.parse_args()
-    from rapidspec.demo_document import demo_document
     from rapidspec.models import load_model
+    from rapidspec.prompting.demo_document import demo_document
     from rapidspec.runtime import new_kv_cache
 
     header = {"cpu": cpu_line(), "load_average_at_start": os.getloadavg(), "target": args.target,

@@ -26,7 +26,7 @@ import time
 
 
 def one_run() -> dict:
-    from rapidspec.demo_document import demo_document
+    from rapidspec.prompting.demo_document import demo_document
     from rapidspec.retrieval import RetrievalConfig, Retriever, resolve_tokenizer
 
     tokenizer = resolve_tokenizer("builtin")

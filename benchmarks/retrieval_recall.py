@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from rapidspec.evaluation.synthetic import synthetic_items
+from rapidspec.prompting.textio import read_text
 from rapidspec.retrieval import RetrievalConfig, Retriever, resolve_tokenizer
 from rapidspec.retrieval.config import EMBEDDING_DTYPES
 from rapidspec.retrieval.dense import load_embedder
 from rapidspec.retrieval.selection import select_chunks
-from rapidspec.textio import read_text
 
 EVIDENCE_ID = re.compile(r"D:?\s*(\d+)\s*:\s*(\d+)")
 

@@ -38,7 +38,7 @@ from rich.table import Table
 
 from benchmarks.document_once import commit_line, cpu_line
 from rapidspec.bench.serve.process import LaunchConfig, LocalServer
-from rapidspec.demo_document import demo_document
+from rapidspec.prompting.demo_document import demo_document
 
 SMALL = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "ignore_eos": True}
 HEALTH_EVERY_S = 0.05

@@ -26,8 +26,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from rapidspec.demo_document import demo_document
 from rapidspec.bench.serve.process import LaunchConfig, LocalServer
+from rapidspec.prompting.demo_document import demo_document
 
 LONG_ANSWER = {"max_tokens": 2000, "ignore_eos": True, "mode": "rapid"}
 SMALL = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}

@@ -53,7 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rapidspec.bench.serve.process import LaunchConfig, LocalServer
-from rapidspec.demo_document import demo_document
+from rapidspec.prompting.demo_document import demo_document
 from soak_mix import MIX, Client, Outcome, sentences
 
 MIB = 2**20

@@ -37,10 +37,10 @@ def main() -> None:
     import jsonschema
 
     from rapidspec import Rapid
-    from rapidspec.demo_document import demo_document
-    from rapidspec.grammar import Grammar
     from rapidspec.engine.spec import EngineSpec
+    from rapidspec.grammar import Grammar
     from rapidspec.models.spec import ModelSpec
+    from rapidspec.prompting.demo_document import demo_document
 
     engine = Rapid.from_spec(EngineSpec(ModelSpec(target=args.target)))
     item = demo_document(tokenizer=engine.tokenizer)

@@ -32,7 +32,7 @@ def one_arm(arm: str, target: str, tokens: int, answers: int, new_tokens: int) -
     import torch
 
     from rapidspec import Rapid, load_model
-    from rapidspec.demo_document import demo_document
+    from rapidspec.prompting.demo_document import demo_document
     from rapidspec.runtime.threads import helper_thread
 
     loaded = load_model(target)

@@ -48,7 +48,7 @@ def worker(job: dict) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from rapidspec.conversation import Message, render, with_documents
+    from rapidspec.prompting.conversation import Message, render, with_documents
 
     tokenizer = AutoTokenizer.from_pretrained(job["folder"])
     llm = LLM(model=job["folder"], max_model_len=job["max_model_len"], enforce_eager=True, dtype=job["dtype"],
@@ -137,7 +137,7 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         from rapidspec.bench.serve.dataset import BUILTIN_QUESTIONS
-        from rapidspec.demo_document import demo_document
+        from rapidspec.prompting.demo_document import demo_document
 
         records = None
     scratch = Path(tempfile.mkdtemp(prefix="rapidspec-vllm-bench-"))

@@ -163,7 +163,7 @@ class DecodeConfig:
       (transformers' and vLLM's: a token of the prompt or the answer has its
       logit divided by it when positive, multiplied when negative; 1 = off).
       Applied to the target's and the drafter's logits alike along each
-      drafted path, before the temperature (:mod:`rapidspec.penalties`).
+      drafted path, before the temperature (:mod:`rapidspec.verification.penalties`).
     * ``draft_gate``: alpha of the gate ``q >= alpha * max(q)``.
     * ``residual``: ``exact`` (tokens follow p^) or ``paper`` (Eq. 10).
     * ``max_new_tokens``, ``stop``: stop strings, ``seed``: for sampling.

@@ -21,8 +21,8 @@ from rapidspec.bench.serve.dataset import BenchRequest, builtin_requests
 from rapidspec.bench.serve.load import LoadConfig
 from rapidspec.bench.serve.peer import PeerConfig, PeerServer, peer_load, slot_context
 from rapidspec.cli import main
-from rapidspec.conversation import DOCUMENTS_SYSTEM, FULL_SOURCE, Message, with_documents
 from rapidspec.errors import RapidspecError
+from rapidspec.prompting.conversation import DOCUMENTS_SYSTEM, FULL_SOURCE, Message, with_documents
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.retrieval.tokenizers import builtin_gguf_path
 from tests.server_harness import running_server

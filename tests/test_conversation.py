@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from rapidspec import Rapid
-from rapidspec.conversation import (
+from rapidspec.prompting.conversation import (
     Message,
     _split_pasted,
     chat_prompts,
@@ -180,7 +180,7 @@ def test_documents_are_cut_before_turns_are_dropped_and_later_turns_keep_the_sta
 
 
 def test_dropped_turns_go_in_steps_with_few_renders(byte_tokenizer, monkeypatch):
-    import rapidspec.conversation as conversation
+    import rapidspec.prompting.conversation as conversation
 
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "talk " * 20} for i in range(400)]
     messages = parse_messages([*turns, {"role": "user", "content": QUESTION}])

@@ -1,4 +1,4 @@
-"""Tests of rapidspec.demo_document: length, needle placement, determinism.
+"""Tests of rapidspec.prompting.demo_document: length, needle placement, determinism.
 
 Fast tests count tokens with a whitespace stub tokenizer or the built-in
 character estimate; the ``slow`` ones use the real built-in tokenizer.
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rapidspec.demo_document import (
+from rapidspec.prompting.demo_document import (
     ANSWER,
     DEFAULT_TARGET_TOKENS,
     NEEDLE,

@@ -10,12 +10,12 @@ import torch
 
 from rapidspec import Rapid
 from rapidspec.errors import RapidspecError
-from rapidspec.logprobs import output_logprobs
 from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
-from rapidspec.sampling import SamplingParams
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
+from rapidspec.verification.logprobs import output_logprobs
+from rapidspec.verification.sampling import SamplingParams
 
 # the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
 pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")

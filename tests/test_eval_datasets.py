@@ -155,7 +155,7 @@ def test_synthetic_needles_present_and_answerable(task, byte_tokenizer):
 
 def test_needle_answers_open_with_rulers_prefix_and_get_128_tokens(byte_tokenizer, tiny_model):
     from rapidspec.evaluation.run_config import DEFAULT_MAX_NEW_TOKENS
-    from rapidspec.prompts import prompt_ids
+    from rapidspec.prompting.prompts import prompt_ids
 
     single = needle_item("niah_single", 1024, tokenizer=byte_tokenizer)
     every = needle_item("niah_multivalue", 1024, tokenizer=byte_tokenizer)

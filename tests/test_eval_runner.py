@@ -167,7 +167,7 @@ def test_a_sweep_multiplies_only_the_modes_that_use_its_knob(items, tiny_model, 
 
 
 def test_a_draft_gate_sweep_runs_rapid_once_per_gate(items, tiny_model, tmp_path, monkeypatch):
-    from rapidspec import sampling
+    from rapidspec.verification import sampling
 
     alphas = []
     gate = sampling.draft_gate

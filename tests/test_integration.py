@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rapidspec import Rapid, low_bit_copy
-from rapidspec.demo_document import demo_document
+from rapidspec.prompting.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
 
 pytestmark = pytest.mark.slow

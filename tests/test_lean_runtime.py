@@ -15,8 +15,8 @@ from transformers import GemmaConfig, GemmaForCausalLM, Qwen2Config, Qwen2ForCau
 from rapidspec import Rapid
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
-from rapidspec.outputs import last_output
 from rapidspec.models.loading import LoadedModel, _lean_forward, load_model, low_bit_copy
+from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime import attention, new_kv_cache
 from rapidspec.runtime.cache import KVCache
@@ -260,7 +260,7 @@ def test_runtime_choice_and_refusals(byte_tokenizer, tiny_model_dir):
 @pytest.mark.slow
 def test_builtin_model_lean_greedy_equals_transformers_on_a_real_document(real_model):
     """fp32 greedy tokens of the built-in model, lean vs transformers, on a real long document."""
-    from rapidspec.demo_document import demo_document
+    from rapidspec.prompting.demo_document import demo_document
 
     item = demo_document(3000)
     document, question = item.document, item.question
@@ -285,7 +285,7 @@ def test_builtin_model_at_its_files_precision_drafts_and_verifies(real_model):
     this document the answers first differed at token 31 of 32, 57 against 49, in one run of two). The
     equality is checked exactly on a tiny model at the file's precision (tests/test_gguf_linears.py) and on
     the float copy (above)."""
-    from rapidspec.demo_document import demo_document
+    from rapidspec.prompting.demo_document import demo_document
 
     item = demo_document(3000)
     lean = real_model(quantize="gguf")

@@ -14,10 +14,10 @@ import torch
 from scipy.stats import chisquare
 
 from rapidspec import DecodeConfig, Rapid
-from rapidspec.models.backend import choose_backend
 from rapidspec.errors import RapidspecError
+from rapidspec.models.backend import choose_backend
 from rapidspec.outputs import last_output
-from rapidspec.prompts import PromptPair
+from rapidspec.prompting.prompts import PromptPair
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.cache import common_prefix_length
 from rapidspec.runtime.lean import LeanModel

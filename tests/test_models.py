@@ -24,9 +24,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rapidspec.errors import RapidspecError
 from rapidspec.models import loading as models
 from rapidspec.models import devices
-from rapidspec.errors import RapidspecError
 from rapidspec.models.loading import (
     LoadedModel,
     cache_root,
@@ -384,7 +384,7 @@ def builtin_float32(real_model):
 @pytest.mark.slow
 def test_builtin_loads_with_auto_dtype_and_answers(real_model):
     """The demo question, on an excerpt around the needle, greedy."""
-    from rapidspec.demo_document import demo_document, demo_prompt
+    from rapidspec.prompting.demo_document import demo_document, demo_prompt
 
     target = real_model(dtype="auto")
     assert target.name == "builtin:smollm2-135m" and target.max_context == 8192

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from rapidspec import Rapid
-from rapidspec.demo_document import demo_document
+from rapidspec.prompting.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import HTTP, running_server
 

@@ -11,8 +11,8 @@ from scipy.stats import chisquare
 
 from rapidspec import DecodeConfig, Rapid
 from rapidspec.errors import RapidspecError
-from rapidspec.penalties import Penalties, path_counts, penalise
 from rapidspec.retrieval import RetrievalConfig
+from rapidspec.verification.penalties import Penalties, path_counts, penalise
 from tests.test_engine_distribution import DOCUMENT as MARKOV_DOCUMENT
 from tests.test_engine_distribution import DRAFT_ROWS, DRAFT_START, QUESTION as MARKOV_QUESTION, TARGET_ROWS, TARGET_START
 from tests.test_engine_distribution import augmented_numpy, markov_pair, sampled_answers  # noqa: F401  (a fixture)

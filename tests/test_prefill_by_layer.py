@@ -10,7 +10,7 @@ import torch
 
 from rapidspec import DecodeConfig, Rapid
 from rapidspec.outputs import last_output
-from rapidspec.prompts import PromptPair
+from rapidspec.prompting.prompts import PromptPair
 from rapidspec.runtime.batching import ForwardBatcher, batching
 from rapidspec.runtime.cache import KVCache
 from rapidspec.runtime.lean import LeanModel

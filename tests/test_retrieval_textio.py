@@ -1,4 +1,4 @@
-"""rapidspec.textio.read_text: exact UTF-8, stdin, one-line errors."""
+"""rapidspec.prompting.textio.read_text: exact UTF-8, stdin, one-line errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rapidspec.errors import RapidspecError
-from rapidspec.textio import read_text
+from rapidspec.prompting.textio import read_text
 
 
 def test_reads_utf8_exactly(tmp_path):

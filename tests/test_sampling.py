@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from rapidspec import sampling
+from rapidspec.verification import sampling
 
 # A worked example of the paper's residual.
 P = torch.tensor([[0.156, 0.318, 0.152, 0.013, 0.361]])
@@ -183,7 +183,7 @@ def test_temperature_comes_before_top_k_and_top_p_as_in_transformers():
     """p is softmax of the logits at the temperature, then filtered: transformers' warpers in their order."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from rapidspec.logprobs import output_logprobs
+    from rapidspec.verification.logprobs import output_logprobs
 
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0]])  # [1, V]
     for temperature, top_k, top_p in [(2.0, 0, 0.7), (0.5, 0, 0.7), (2.0, 3, 0.9)]:

@@ -7,7 +7,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from rapidspec import Rapid
-from rapidspec.demo_document import demo_document
+from rapidspec.prompting.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import running_server
 

@@ -239,9 +239,9 @@ def test_tokenize_is_bounded(rapid):
 
 def test_logprob_bytes_and_offsets_of_tokens_that_split_a_character(byte_tokenizer):
     """The bytes were the token text's (U+FFFD's three bytes) and each split piece moved text_offset on."""
-    from rapidspec.logprobs import TokenLogprob
     from rapidspec.server.responses import Reply
     from rapidspec.server.tokens import TokenPieces
+    from rapidspec.verification.logprobs import TokenLogprob
 
     ids = byte_tokenizer.encode("\u20aca", add_special_tokens=False)  # three tokens for the euro sign, then "a"
     entries = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in ids]
@@ -293,8 +293,8 @@ def test_an_endless_document_is_one_line(capsys):
 
 def test_the_size_check_counts_each_message_and_the_query(byte_tokenizer):
     """60,000 empty messages or a 2 MB query passed the size check and held the engine for seconds."""
-    from rapidspec.conversation import Message
     from rapidspec.errors import RapidspecError
+    from rapidspec.prompting.conversation import Message
     from rapidspec.server.tokens import ServerTokens
 
     tokens = ServerTokens(byte_tokenizer, max_document_tokens=1000)

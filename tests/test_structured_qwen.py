@@ -13,10 +13,10 @@ import pytest
 from pydantic import BaseModel
 
 from rapidspec import EngineSpec, Rapid
-from rapidspec.demo_document import demo_document
 from rapidspec.errors import RapidspecError
 from rapidspec.models.loading import builtin_gguf_path
 from rapidspec.models.spec import ModelSpec
+from rapidspec.prompting.demo_document import demo_document
 from tests.server_harness import running_server
 
 pytestmark = pytest.mark.slow

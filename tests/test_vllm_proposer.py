@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from rapidspec.conversation import Message, render, with_documents
 from rapidspec.errors import RapidspecError
+from rapidspec.prompting.conversation import Message, render, with_documents
 from rapidspec.vllm.costs import DecayedLine, StepClock
 from rapidspec.vllm.options import ENV_VARIABLE, ProposerOptions
 from rapidspec.vllm.prompt_reading import ChatLayout, read_prompt

@@ -21,8 +21,8 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from rapidspec.conversation import Message, render, with_documents
-    from rapidspec.demo_document import demo_document
+    from rapidspec.prompting.conversation import Message, render, with_documents
+    from rapidspec.prompting.demo_document import demo_document
 
     tokenizer = AutoTokenizer.from_pretrained(job["folder"])
     document = demo_document(job["document_tokens"], tokenizer).document

@@ -18,7 +18,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.variants import Sweep, Variant, run_matrix
 from rapidspec.evaluation.variants import parse_modes as parse_mode_list
 from rapidspec.evaluation.variants import parse_sweep as parse_knob_sweep
-from rapidspec.prompts import PromptTemplate, prompt_ids
+from rapidspec.prompting.prompts import PromptTemplate, prompt_ids
 
 HF_ASSISTED = "hf-assisted"
 LLAMA_CPP = "llama.cpp"  # plain decoding of the target's GGUF on llama.cpp (rapidspec.bench.llama_peer)
@@ -94,7 +94,7 @@ def demo_items(tokenizer, lengths: Sequence[int], max_context: int, max_new_toke
     The prompt must leave room for the answer, so a length near the window is
     capped at ``max_context - max_new_tokens`` (the table shows real counts).
     """
-    from rapidspec.demo_document import demo_document
+    from rapidspec.prompting.demo_document import demo_document
 
     probe = demo_document(target_tokens=256, tokenizer=tokenizer)
     overhead = len(prompt_ids(tokenizer, PromptTemplate(), "", probe.question, retrieved=False))

@@ -39,11 +39,11 @@ import torch
 
 from rapidspec.config import MODES, TARGET_READS_RETRIEVED, USES_DRAFTER, DecodeConfig
 
+from rapidspec.bench.memory import GIB, PeakMemory
+from rapidspec.bench.results import BenchReport, Measurement, Result
 from rapidspec.engine.rounds import sync
 from rapidspec.errors import RapidspecError
-from rapidspec.bench.results import BenchReport, Measurement, Result
-from rapidspec.bench.memory import GIB, PeakMemory
-from rapidspec.prompts import prompt_ids
+from rapidspec.prompting.prompts import prompt_ids
 from rapidspec.bench.inputs import (  # noqa: F401  (re-exported)
     HF_ASSISTED,
     LLAMA_CPP,
@@ -140,7 +140,7 @@ def hf_assisted_generate(
 
 
 def _hf_measurement(engine, item: BenchItem, config: DecodeConfig) -> Measurement:
-    from rapidspec.prompts import fit_document
+    from rapidspec.prompting.prompts import fit_document
 
     window = engine.target.max_context - config.max_new_tokens
     document, _ = fit_document(engine.tokenizer, engine.template, item.document, item.question, window, config.truncate)
@@ -243,19 +243,11 @@ def compare_with_lc(results: list[Result]) -> None:
         r.equals_lc = tuple(r.token_ids) == tuple(ref.token_ids)
 
 
-def run_benchmark(
-    engine,
-    items: Sequence[BenchItem],
-    modes: Sequence[str] = DEFAULT_MODES,
-    base: DecodeConfig | None = None,
-    repeats: int = 3,
-    sweep: Sweep | None = None,
-    profile: bool = False,
-    warmup: bool = True,
-    progress: Callable[[str], None] | None = None,
-    share_prefill: bool = False,
-    prefill_progress: Callable[[int, int], None] | None = None,
-) -> BenchReport:
+def run_benchmark(engine, items: Sequence[BenchItem], modes: Sequence[str] = DEFAULT_MODES,
+                  base: DecodeConfig | None = None, repeats: int = 3, sweep: Sweep | None = None,
+                  profile: bool = False, warmup: bool = True, progress: Callable[[str], None] | None = None,
+                  share_prefill: bool = False, prefill_progress: Callable[[int, int], None] | None = None
+                  ) -> BenchReport:
     """Run every variant on every item ``repeats`` times; medians and ratios against ``lc``.
 
     ``engine`` is a :class:`rapidspec.engine.Rapid` built with
@@ -290,13 +282,7 @@ def run_benchmark(
         peer = LlamaCppPeer(engine, engine.drafting.threads)
 
     if warmup:
-        short = BenchItem(items[0].document[:WARMUP_CHARS], items[0].question)
-        warm_base = base.with_(max_new_tokens=min(4, base.max_new_tokens))
-        for variant in columns:
-            note(f"warm-up {variant.label}")
-            config = variant.config.with_(max_new_tokens=warm_base.max_new_tokens) if variant.config else None
-            measure(engine, short, Variant(variant.label, variant.mode, config), warm_base, peer=peer)
-
+        _warm_up(engine, items[0], columns, base, note, peer)
     results: list[Result] = []
     for index, item in enumerate(items):
         runs: dict[str, list[Measurement]] = {v.label: [] for v in columns}
@@ -318,21 +304,21 @@ def run_benchmark(
                 runs[variant.label].append(run)
         results.extend(_summarise(engine, v, index, item, runs[v.label], profile) for v in columns)
     compare_with_lc(results)
-    return BenchReport(
-        model=engine.target.label,
-        drafter=engine.drafter_label,
-        device=str(engine.target.model.device),
-        dtype=str(engine.target.model.dtype).removeprefix("torch."),
-        repeats=repeats,
-        max_new_tokens=base.max_new_tokens,
-        ignore_eos=base.ignore_eos,
-        shared_prefill=share_prefill,
-        gamma=base.gamma,
-        eta=engine.resolve(base.with_(mode="rapid"))[0].eta_value,
-        sweep=sweep,
-        results=results,
-        draft_confidence=base.draft_confidence,
-    )
+    return BenchReport(model=engine.target.label, drafter=engine.drafter_label, device=str(engine.target.model.device),
+                       dtype=str(engine.target.model.dtype).removeprefix("torch."), repeats=repeats,
+                       max_new_tokens=base.max_new_tokens, ignore_eos=base.ignore_eos, shared_prefill=share_prefill,
+                       gamma=base.gamma, eta=engine.resolve(base.with_(mode="rapid"))[0].eta_value, sweep=sweep,
+                       results=results, draft_confidence=base.draft_confidence)
+
+
+def _warm_up(engine, item: BenchItem, columns, base: DecodeConfig, note, peer) -> None:
+    """Each variant once on the start of ``item``'s document, 4 tokens at most (loads, packs and calibrates)."""
+    short = BenchItem(item.document[:WARMUP_CHARS], item.question)
+    warm_base = base.with_(max_new_tokens=min(4, base.max_new_tokens))
+    for variant in columns:
+        note(f"warm-up {variant.label}")
+        config = variant.config.with_(max_new_tokens=warm_base.max_new_tokens) if variant.config else None
+        measure(engine, short, Variant(variant.label, variant.mode, config), warm_base, peer=peer)
 
 
 def count_generations(n_items: int, n_variants: int, repeats: int) -> int:

@@ -31,9 +31,9 @@ from rapidspec.cli.options import (
 from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.cli.render import stats_table
 from rapidspec.config import DecodeConfig
-from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.errors import RapidspecError
-from rapidspec.textio import read_text
+from rapidspec.prompting.conversation import DEFAULT_RECENT_MESSAGES
+from rapidspec.prompting.textio import read_text
 
 HELP = "/reset  start over   /stats  last answer's statistics   /save FILE  write the conversation as JSON   /exit  leave"
 

@@ -37,7 +37,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rapidspec.demo_document import FOLLOW_UP, demo_document
+    from rapidspec.prompting.demo_document import FOLLOW_UP, demo_document
 
     rapid_config = decode_config(args, mode="rapid")
     lc_config = rapid_config.with_mode("lc")

@@ -13,7 +13,7 @@ from rapidspec.cli.options import (add_decode_options, add_kv_cache_options, add
 from rapidspec.cli.prefill_bar import prefill_bar
 from rapidspec.cli.render import stats_table
 from rapidspec.errors import RapidspecError
-from rapidspec.textio import read_text
+from rapidspec.prompting.textio import read_text
 
 
 def register(subparsers) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rapidspec.evaluation.report import write_report
-from rapidspec.textio import read_text
+from rapidspec.prompting.textio import read_text
 
 
 def register(subparsers) -> None:

@@ -15,10 +15,10 @@ import json
 import sys
 from typing import Any
 
+from rapidspec.prompting.textio import read_text
 from rapidspec.retrieval.config import BUILTIN_EMBEDDER, EMBEDDING_DTYPES, METHODS, RetrievalConfig
 from rapidspec.retrieval.retriever import RetrievalResult, Retriever
 from rapidspec.retrieval.tokenizers import BUILTIN, resolve_tokenizer
-from rapidspec.textio import read_text
 
 PREVIEW_CHARS = 120
 

@@ -21,8 +21,8 @@ from rapidspec.cli.options import (
     retrieval_config,
 )
 from rapidspec.config import SHARED_PREFILL_TOKENS
-from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.errors import RapidspecError
+from rapidspec.prompting.conversation import DEFAULT_RECENT_MESSAGES
 
 
 def register(subparsers) -> None:
@@ -95,9 +95,9 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        from rapidspec.runtime.threads import helper_thread
         from rapidspec.server import ServerConfig, create_app
         from rapidspec.server.http import DrainingServer, uvicorn_config
-        from rapidspec.runtime.threads import helper_thread
     except ImportError as err:
         raise RapidspecError(f"rapidspec serve needs the serve extra ({err.name} is missing): "
                              "pip install 'rapidspec[serve]'") from None

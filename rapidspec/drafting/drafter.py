@@ -4,9 +4,9 @@ In the spirit of transformers' ``CandidateGenerator`` and llama.cpp's
 ``common_speculative``, the :class:`Drafter` protocol hides how drafts are
 made behind the calls the engine's loop makes every round::
 
-    proposal = drafter.propose(k, config, generator, stop_tokens, grammar)   # step 2
+    proposal = drafter.propose(k, config, generator, stop_tokens, processors)   # step 2
     ... the target verifies proposal.tokens (step 3, sampling.verify, step 4)
-    drafter.bonus_row(config, stop_tokens, sync, grammar)   # only when verification leaves the bonus token open
+    drafter.bonus_row(config, stop_tokens, sync, processors)   # only when verification leaves the bonus token open
     drafter.commit(emitted)                  # step 5: roll back to the committed tokens
     drafter.close(keep)                      # after the last round
 
@@ -32,8 +32,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from rapidspec import sampling
-from rapidspec.grammar.matcher import apply_mask
+from rapidspec.verification import sampling
+from rapidspec.verification.processors import NO_PROCESSORS, LogitsProcessors
 
 
 @dataclass(frozen=True)
@@ -76,20 +76,19 @@ class Drafter(Protocol):
     def device(self) -> torch.device: ...
 
     def propose(self, k: int, config, generator: torch.Generator, stop_tokens: frozenset[int],
-                grammar=None, penalties=None) -> Proposal:
+                processors: LogitsProcessors = NO_PROCESSORS) -> Proposal:
         """Up to ``k`` drafted tokens after the committed ones, with their rows (:class:`Proposal`).
 
-        ``grammar``: a :class:`~rapidspec.grammar.GrammarState` when the answer is constrained: every draft
-        is one it allows after the committed answer and the drafts before it, and the rows are masked by it.
-        ``penalties``: a :class:`~rapidspec.penalties.Penalties`: each row is penalised for the committed answer
-        and the drafts before it.
+        ``processors`` (:mod:`rapidspec.verification.processors`) process each row after the committed answer
+        and the drafts before it: with a grammar every draft is one it allows, and the rows are masked by it;
+        with penalties each row is penalised for the answer so far.
         """
         ...
 
     def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False,
-                  grammar=None, penalties=None) -> torch.Tensor | None:
-        """The row at the position after the last draft ([V], masked by ``grammar``, penalised by ``penalties``),
-        or None when there is none."""
+                  processors: LogitsProcessors = NO_PROCESSORS) -> torch.Tensor | None:
+        """The row at the position after the last draft ([V], processed by ``processors``), or None when there
+        is none."""
         ...
 
     def commit(self, emitted: list[int]) -> None:
@@ -135,22 +134,18 @@ class ModelDrafter:
     def device(self) -> torch.device:
         return self.cache.device
 
-    def _next_logits(self, token_ids: list[int], grammar=None, penalties=None) -> torch.Tensor:
+    def _next_logits(self, token_ids: list[int], processors: LogitsProcessors) -> torch.Tensor:
         logits = self.cache.forward(token_ids, 1)[0, : self.vocab_size]  # [V]
-        if grammar is not None:
-            logits = apply_mask(logits, grammar.mask_after(self._drafts))  # the position after the drafts so far
-        if penalties is not None:
-            logits = penalties.row_after(logits, self._drafts)
-        return logits
+        return processors.row_after(logits, self._drafts)  # the position after the drafts so far
 
     def propose(self, k: int, config, generator: torch.Generator, stop_tokens: frozenset[int],
-                grammar=None, penalties=None) -> Proposal:
+                processors: LogitsProcessors = NO_PROCESSORS) -> Proposal:
         """Feed the pending tokens, then draft up to ``k`` tokens one by one (the last one is not fed).
 
         Drafting stops early after a token in ``stop_tokens`` (nothing follows
         an EOS) or, with ``config.draft_confidence``, after an unsure draft.
-        With a ``grammar`` each position's logits are masked, with ``penalties`` penalised, before the draft
-        is chosen.
+        Each position's logits go through ``processors`` (a grammar's mask, penalties) before the draft is
+        chosen.
         """
         self.bonus_seconds = 0.0
         self._drafts = []
@@ -160,7 +155,7 @@ class ModelDrafter:
         confidence = config.draft_confidence
         rows: list[torch.Tensor] = []  # each [V] on the target's device
         pending = self.sequence[self.cache.length :]
-        logits = self._next_logits(pending, grammar, penalties)  # [V]
+        logits = self._next_logits(pending, processors)  # [V]
         forwards = 1
         for position in range(k):
             if keep_rows:
@@ -174,13 +169,13 @@ class ModelDrafter:
             self._drafts.append(token)
             if position == k - 1 or unsure or token in stop_tokens:
                 break
-            logits = self._next_logits([token], grammar, penalties)
+            logits = self._next_logits([token], processors)
             forwards += 1
         return Proposal(list(self._drafts), torch.stack(rows) if rows else None, forwards, len(pending))
 
     def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False,
-                  grammar=None, penalties=None) -> torch.Tensor | None:
-        """The row after the last draft ([V], masked by ``grammar``, penalised), or None after a stopping draft.
+                  processors: LogitsProcessors = NO_PROCESSORS) -> torch.Tensor | None:
+        """The row after the last draft ([V], through ``processors``), or None after a stopping draft.
 
         Feeding the last draft costs nothing extra when it is accepted: the
         next round would feed it anyway. ``sync``: wait for the device, so
@@ -189,7 +184,7 @@ class ModelDrafter:
         if self._drafts and self._drafts[-1] in stop_tokens:
             return None
         started = time.perf_counter()
-        logits = self._next_logits((self.sequence + self._drafts)[self.cache.length :], grammar, penalties)
+        logits = self._next_logits((self.sequence + self._drafts)[self.cache.length :], processors)
         row = draft_row(logits, config, self.target_device)
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from rapidspec.drafting.drafter import NO_PROPOSAL, Proposal
+from rapidspec.verification.processors import NO_PROCESSORS, LogitsProcessors
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
@@ -68,13 +69,13 @@ class LookupDrafter:
                 return self.sequence[start : start + k]
         return []
 
-    def propose(self, k: int, config, generator, stop_tokens: frozenset[int], grammar=None, penalties=None) -> Proposal:
-        """The continuation of the latest match, cut before a token the ``grammar`` (when given) forbids."""
+    def propose(self, k: int, config, generator, stop_tokens: frozenset[int],
+                processors: LogitsProcessors = NO_PROCESSORS) -> Proposal:
+        """The continuation of the latest match, cut before a token the grammar (when ``processors`` has one) forbids."""
         if k <= 0:
             return NO_PROPOSAL
         found = self.continuation(k)
-        if grammar is not None:
-            found = found[: grammar.allowed_prefix(found)]
+        found = found[: processors.allowed_prefix(found)]
         tokens = []
         for token in found:
             if token >= self.vocab_size:
@@ -90,7 +91,8 @@ class LookupDrafter:
             rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return Proposal(tokens, rows, 0)
 
-    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False, grammar=None, penalties=None) -> None:
+    def bonus_row(self, config, stop_tokens: frozenset[int], sync: bool = False,
+                  processors: LogitsProcessors = NO_PROCESSORS) -> None:
         return None  # eta is 0 in mode lookup: p^ = p needs no q
 
     def commit(self, emitted: list[int]) -> None:

@@ -2,24 +2,22 @@
 
 :meth:`Rapid.decode` runs the only decode loop of the project (:func:`.rounds.run_rounds`); ``stream`` (a
 document and a question), ``stream_chat`` (a conversation), the CLI, the
-server, evaluation and benchmarks all consume it. Prompts come from :mod:`rapidspec.prompts` and
-:mod:`rapidspec.conversation`; target caches are reused through :mod:`rapidspec.runtime.prefix_cache`;
+server, evaluation and benchmarks all consume it. Prompts come from :mod:`rapidspec.prompting.prompts` and
+:mod:`rapidspec.prompting.conversation`; target caches are reused through :mod:`rapidspec.runtime.prefix_cache`;
 each generation's drafter comes from :mod:`rapidspec.drafting.factory` (the mode table says which). One round::
 
     1 prefill   target cache <- target prompt[:-1]; the first round is a plain step (the first token is the
                 target's); between rounds the drafter is prepared in bounded pieces while it pays and joins
                 when ready (:mod:`rapidspec.drafting.join`; ``drafter_start="first"``: before the first round)
-    2 draft     the drafter proposes k tokens (k from the gamma schedule; 0 = a plain step)
-    3 verify    target feeds [pending, x_1..x_k] in ONE forward -> logits z_1..z_{k+1}
-    4 accept    sampling.verify: accepted prefix, then the recovered or bonus token
-    5 commit    both caches roll back to the committed tokens (minus the pending last one)
+    2 draft     the drafter proposes k tokens (k from the gamma schedule; 0 = a plain step)   } run_round
+    3 verify    target feeds [pending, x_1..x_k] in ONE forward -> logits z_1..z_{k+1}       }
+    4 accept    sampling.verify: accepted prefix, then the recovered or bonus token        }
+    5 commit    both caches roll back to the committed tokens (minus the pending last one)   commit_round
 
-A grammar (``config.grammar``, :mod:`rapidspec.grammar`) masks, and the penalties
-(:mod:`rapidspec.penalties`) change, the drafter's logits in 2 and the target's rows in 3 alike, and
-follow the committed tokens in 5; the per-round state is :class:`~.rounds.Rounds`. A request's eta
-default and gamma schedule are decided once (:mod:`.defaults`). Modes ``lc`` and ``rag`` have no
-drafter: every round is a plain step. Caches come from :mod:`rapidspec.runtime` (the KV-cache
-protocol of :mod:`rapidspec.runtime.protocol`).
+The logits processors (a grammar's masks, the penalties: :mod:`rapidspec.verification.processors`) process
+the drafter's rows in 2 and the target's in 3 alike and follow the committed tokens in 5. A request's eta
+default and gamma schedule are decided once (:mod:`.defaults`). Modes ``lc`` and ``rag`` have no drafter:
+every round is a plain step. Caches follow :mod:`rapidspec.runtime.protocol`.
 """
 
 from __future__ import annotations
@@ -31,31 +29,32 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from rapidspec import sampling
 from rapidspec.config import DEFAULT_KV_CACHE_GIB, DEFAULT_PREFILL_CHUNK_TOKENS, DEFAULT_PREFIX_CACHE_GIB, DecodeConfig
-from rapidspec.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
 from rapidspec.drafting.calibration import CostBook, EngineCosts
 from rapidspec.drafting.eta_default import EtaWarnings
 from rapidspec.drafting.factory import DrafterFactory, drop_started
 from rapidspec.drafting.gamma_schedule import GammaSchedule
 from rapidspec.drafting.join import DrafterJoin
-from rapidspec.drafting.memory import ConversationMemory, prior_estimates
 from rapidspec.drafting.lookup import LookupDrafter
-from rapidspec.errors import RapidspecError
+from rapidspec.drafting.memory import ConversationMemory, prior_estimates
 from rapidspec.engine.defaults import resolve
 from rapidspec.engine.rounds import Rounds, run_rounds, sync as device_sync
 from rapidspec.engine.spec import EngineSpec
+from rapidspec.errors import RapidspecError
 from rapidspec.grammar import GrammarTokens
 from rapidspec.grammar.tools import ToolChoice, template_tokenizer, with_tool_grammar
 from rapidspec.models.vocabulary import eos_token_ids
 from rapidspec.outputs import GenerationOutput, StreamChunk, last_output
-from rapidspec.penalties import Penalties
-from rapidspec.prompts import PromptPair, PromptTemplate, document_prompts, with_streaming_drafter
+from rapidspec.prompting.conversation import DEFAULT_RECENT_MESSAGES, chat_prompts, parse_documents, parse_messages
+from rapidspec.prompting.prompts import PromptPair, PromptTemplate, document_prompts, with_streaming_drafter
 from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.runtime.kv_store import DiskKVStore, for_model
 from rapidspec.runtime.prefix_cache import GIB, PrefixCache
 from rapidspec.stats import GenerationStats
+from rapidspec.verification import sampling
+from rapidspec.verification.penalties import Penalties
+from rapidspec.verification.processors import LogitsProcessors
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +65,12 @@ MIN_REUSED_PREFIX_TOKENS = 64
 class Rapid:
     """Long-context generation with a retrieval-augmented drafter.
 
-    ``target`` is a :class:`rapidspec.models.LoadedModel` (anything with
-    ``model``, ``tokenizer`` and ``max_context``). ``drafter``: None drafts
-    with the target's weights and a cache of its own (self-speculation); a
-    loaded model or a model name drafts with that model, smaller or larger,
-    on any device; its vocabulary must equal the target's.
-    ``drafter_backend``: ``auto``, ``torch`` or ``llama.cpp``
-    (:mod:`rapidspec.models.backend`); a request's ``DecodeConfig.drafter_backend``
-    may pick another one. ``drafter_threads``: llama.cpp's threads (default: torch's).
+    ``target`` is a :class:`rapidspec.models.LoadedModel` (anything with ``model``, ``tokenizer`` and
+    ``max_context``). ``drafter``: None drafts with the target's weights and a cache of its own
+    (self-speculation); a loaded model or a model name drafts with that model, smaller or larger, on any
+    device; its vocabulary must equal the target's. ``drafter_backend``: ``auto``, ``torch`` or ``llama.cpp``
+    (:mod:`rapidspec.models.backend`); a request's ``DecodeConfig.drafter_backend`` may pick another one.
+    ``drafter_threads``: llama.cpp's threads (default: torch's).
     ``drafter_prefill``: ``auto``, ``beside`` or ``after`` the target's prefill (:mod:`rapidspec.drafting.factory`).
     ``drafter_gguf``: ``auto`` (a fast-prefill copy of a Q4_1 file, :mod:`rapidspec.runtime.gguf_copy`) or ``as-is``.
     ``reuse_document_cache``: keep target caches in the prefix cache, and each
@@ -207,7 +204,7 @@ class Rapid:
         """Yield the answer to the last user message of ``messages`` (OpenAI-style dicts).
 
         ``documents``: texts or ``{"title", "text"}``; without them the earlier
-        turns are the drafter's corpus (:mod:`rapidspec.conversation`);
+        turns are the drafter's corpus (:mod:`rapidspec.prompting.conversation`);
         ``retriever`` replaces the engine's for this call; ``tools``: a
         :class:`~rapidspec.grammar.tools.ToolChoice` (the calls come back as
         text, :func:`~rapidspec.grammar.tools.parse_tool_calls` reads them).
@@ -268,57 +265,40 @@ class Rapid:
         """
         generation_started = time.perf_counter()
         config, eta_source = resolve(config, self.drafter_relation, self._eta_warnings)
-        # the conversation's earlier answers, never other requests': the drafter's plan reads this (drafting.memory)
-        previous = self.memory.lookup(prompts.target_ids)
-        acceptance = prior_estimates(config.max_gamma) if previous is None else previous.estimates(config.max_gamma)
-        kept = [] if previous is None else previous.kept()
+        previous = self.memory.lookup(prompts.target_ids)  # the conversation's earlier answers, never other requests'
         stats = GenerationStats.starting(config, prompts)
         stats.eta_source = eta_source
-        target_device = self.target.model.device
-        if generator is None:
-            generator = torch.Generator(device=target_device)
-            generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
-
         deadline = None if config.time_limit_s is None else time.monotonic() + config.time_limit_s
-        grammar = (None if config.grammar is None  # before any work; ignore_eos: the answer ends where the grammar does
-                   else self.grammar_tokens.start(config.grammar, eos_only_at_end=config.ignore_eos))
-        stop_tokens = frozenset() if config.ignore_eos and grammar is None else self.eos_token_ids
-        penalties = Penalties.of(config, prompts.target_ids, self.vocab_size, target_device)
 
         def out_of_time() -> bool:
             return deadline is not None and time.monotonic() > deadline
 
+        run = self._rounds(config, prompts, stats, generator, out_of_time, profile, schedule, generation_started)
         with torch.inference_mode():
             # 1 prefill
-            target_seq = list(prompts.target_ids)
-            started = time.perf_counter()
+            started, target_device = time.perf_counter(), self.target.model.device
             use_store = self.reuse_document_cache and not prompts.target_reads_retrieved
-            room = len(target_seq) + config.max_new_tokens + config.max_gamma + 1  # all a generation can hold
+            room = len(run.target_seq) + config.max_new_tokens + config.max_gamma + 1  # all a generation can hold
             beside = self.drafting.start_beside(prompts, config, stats, target_device)  # None: drafter after target
             try:
-                target_cache = yield from self._prefill_target(
-                    target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()),
+                run.target_cache = yield from self._prefill_target(
+                    run.target_seq, stats, use_store, room, lambda: out_of_time() or (should_stop is not None and should_stop()),
                     prefill_progress, yield_prefill_chunks, prefill_chunk_limit)
             except BaseException as error:
                 drop_started(beside)
                 if isinstance(error, PrefillStopped) and out_of_time():
-                    raise RapidspecError(f"the prefill of {len(target_seq)} prompt tokens did not finish within "
+                    raise RapidspecError(f"the prefill of {len(run.target_seq)} prompt tokens did not finish within "
                                          f"time_limit_s={config.time_limit_s:g}", code="time_limit_exceeded") from None
                 raise
             device_sync(target_device)
             stats.target_prefill_seconds = time.perf_counter() - started
-            join = DrafterJoin(self.drafting, prompts, config, stats, target_device, self._costs, acceptance, kept, beside)
-
-            # 2-5 decode
-            # (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
-            consistent = False  # an error inside a round may leave a cache half-written: then keep neither
-            lookup = None  # until a model drafter joins, rounds draft by prompt lookup over the target's text
+            acceptance = prior_estimates(config.max_gamma) if previous is None else previous.estimates(config.max_gamma)
+            run.join = DrafterJoin(self.drafting, prompts, config, stats, target_device, self._costs, acceptance,
+                                   [] if previous is None else previous.kept(), beside)
             if self.drafting.drafter_kind(config) == "model" and config.drafter_start != "first":
-                lookup = LookupDrafter(list(target_seq), self.vocab_size, target_device)
-            run = Rounds(generation_started, config, sampling.SamplingParams.of(config), stats, generator, target_cache,
-                         target_seq, None, None, stop_tokens, profile,
-                         self.vocab_size, out_of_time, grammar, join=join, fixed_schedule=schedule, penalties=penalties,
-                         lookup=lookup)
+                run.lookup = LookupDrafter(list(run.target_seq), self.vocab_size, target_device)  # until it joins
+            # 2-5 decode (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
+            consistent = False  # an error inside a round may leave a cache half-written: then keep neither
             try:
                 if config.drafter_start == "first":
                     run.prepare_drafter_now()
@@ -328,16 +308,37 @@ class Rapid:
                 consistent = True
                 raise
             finally:
-                join.close()
-                if run.drafter is not None:
-                    run.drafter.close(keep=consistent)
-                if use_store and consistent:
-                    self._keep(target_cache)
-                if consistent and self.drafting.drafter_kind(config) == "model":
-                    drafter_ids = () if join.prompts.deferred is not None else join.prompts.drafter_ids or ()
-                    left = [*drafter_ids[:-1], *target_seq[len(prompts.target_ids):]] if drafter_ids else ()
-                    self.memory.record(prompts.target_ids, previous, stats.drafted_per_position,
-                                       stats.accepted_per_position, left)
+                self._finish(run, prompts, previous, use_store, consistent)
+
+    def _rounds(self, config: DecodeConfig, prompts: PromptPair, stats: GenerationStats, generator, out_of_time,
+                profile: bool, schedule: GammaSchedule | None, started: float) -> Rounds:
+        """A generation's round state before its prefill: the seeded generator, the grammar (started before any
+        work; ``ignore_eos``: the answer ends where the grammar does), the penalties, the end-of-answer tokens."""
+        device = self.target.model.device
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
+        grammar = (None if config.grammar is None
+                   else self.grammar_tokens.start(config.grammar, eos_only_at_end=config.ignore_eos))
+        processors = LogitsProcessors(grammar, Penalties.of(config, prompts.target_ids, self.vocab_size, device))
+        stop_tokens = frozenset() if config.ignore_eos and grammar is None else self.eos_token_ids
+        return Rounds(started=started, config=config, params=sampling.SamplingParams.of(config), stats=stats,
+                      generator=generator, stop_tokens=stop_tokens, vocab=self.vocab_size, out_of_time=out_of_time,
+                      processors=processors, sync=profile, target_seq=list(prompts.target_ids), fixed_schedule=schedule)
+
+    def _finish(self, run: Rounds, prompts: PromptPair, previous, use_store: bool, consistent: bool) -> None:
+        """After the last round, or an error in one (``consistent`` False: keep no cache): close the join and the
+        drafter, keep the target's cache, and remember what the answer taught the conversation's join."""
+        run.join.close()
+        if run.drafter is not None:
+            run.drafter.close(keep=consistent)
+        if use_store and consistent:
+            self._keep(run.target_cache)
+        if consistent and self.drafting.drafter_kind(run.config) == "model":
+            drafter_ids = () if run.join.prompts.deferred is not None else run.join.prompts.drafter_ids or ()
+            left = [*drafter_ids[:-1], *run.target_seq[len(prompts.target_ids):]] if drafter_ids else ()
+            self.memory.record(prompts.target_ids, previous, run.stats.drafted_per_position,
+                               run.stats.accepted_per_position, left)
 
     @property
     def disk_store(self) -> DiskKVStore | None:

@@ -12,15 +12,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from rapidspec import sampling
 from rapidspec.config import DecodeConfig
 from rapidspec.drafting import NO_PROPOSAL
+from rapidspec.drafting.drafter import Proposal
 from rapidspec.drafting.gamma_schedule import CostSchedule, GammaSchedule, StepCosts, new_schedule
-from rapidspec.grammar import apply_mask
-from rapidspec.logprobs import round_logprobs
 from rapidspec.outputs import GenerationOutput, StreamChunk
 from rapidspec.stats import GenerationStats, RoundRecord
 from rapidspec.text_stream import TextAssembler, cut_answer
+from rapidspec.verification import sampling
+from rapidspec.verification.logprobs import round_logprobs
+from rapidspec.verification.processors import NO_PROCESSORS, LogitsProcessors
 
 
 def sync(device: torch.device) -> None:
@@ -36,27 +37,30 @@ class Rounds:
     ``drafter`` and ``schedule`` are None until the drafter joins (:meth:`prepare_drafter`, :mod:`rapidspec.drafting.join`).
     """
 
+    # the generation's settings
     started: float  # time.perf_counter() when the generation started
     config: DecodeConfig
     params: sampling.SamplingParams
     stats: GenerationStats
     generator: torch.Generator
-    target_cache: object
-    target_seq: list[int]
-    drafter: object | None
-    schedule: GammaSchedule | None
     stop_tokens: frozenset[int]
-    sync: bool  # wait for the devices around each step (profiling: exact times)
     vocab: int
     out_of_time: Callable[[], bool]
-    grammar: object | None = None  # a rapidspec.grammar.GrammarState when the answer is constrained
+    processors: LogitsProcessors = NO_PROCESSORS  # a grammar's masks, the penalties
+    sync: bool = False  # wait for the devices around each step (profiling: exact times)
+    # the target
+    target_cache: object = None
+    target_seq: list[int] = field(default_factory=list)
+    # who drafts: lookup until the drafter joins (join prepares it), then the drafter with its schedule
     join: object | None = None  # the drafter's preparation (rapidspec.drafting.join.DrafterJoin)
-    fixed_schedule: GammaSchedule | None = None  # the caller's schedule, used once the drafter joins
-    penalties: object | None = None  # a rapidspec.penalties.Penalties when the config asks for any
-    prepare_seconds: float = 0.0  # time between rounds spent preparing the drafter (retrieval, prefill, calibration)
-    logprobs: list = field(default_factory=list)
     lookup: object | None = None  # a LookupDrafter over the target's sequence, drafting until the drafter joins
     lookup_schedule: GammaSchedule | None = None  # its schedule, made once the target's step costs are known
+    drafter: object | None = None
+    schedule: GammaSchedule | None = None
+    fixed_schedule: GammaSchedule | None = None  # the caller's schedule, used once the drafter joins
+    # what the rounds gather
+    prepare_seconds: float = 0.0  # time between rounds spent preparing the drafter (retrieval, prefill, calibration)
+    logprobs: list = field(default_factory=list)
 
     def drafting_now(self) -> tuple[object | None, GammaSchedule | None, sampling.SamplingParams]:
         """Who drafts the next round, its schedule and the parameters its drafts are verified with: the drafter
@@ -140,89 +144,113 @@ class Rounds:
         return out
 
 
+@dataclass(frozen=True)
+class Round:
+    """One round as verified (steps 2-4): the proposal, how many drafts were accepted, the token after them, the
+    target's processed rows, the drafter's bonus row when it was asked for, and the round's record."""
+
+    proposal: Proposal
+    accepted: int
+    next_token: int
+    target_logits: torch.Tensor  # [k + 1, V]
+    bonus_row: torch.Tensor | None
+    params: sampling.SamplingParams
+    record: RoundRecord
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.proposal.tokens[: self.accepted] + [self.next_token]
+
+
+def run_round(run: Rounds, remaining: int) -> Round:
+    """Draft, one target forward over [pending, drafts], verify, and the bonus token (step 4 needs it when every
+    draft was accepted, or no one drafted: a plain step)."""
+    active, schedule, params = run.drafting_now()  # the drafter, or lookup until it joins, or no one
+    seq, cache, processors = run.target_seq, run.target_cache, run.processors
+    # 2 draft
+    t0 = time.perf_counter()
+    requested = 0 if active is None else schedule.next_drafts()
+    proposal = (NO_PROPOSAL if active is None else active.propose(
+        min(requested, remaining - 1), run.config, run.generator, run.stop_tokens, processors))
+    run.wait_for_drafter()
+    # 3 verify: one target forward; each row processed (grammar, penalties) along the drafts, as the drafter's were
+    t1 = time.perf_counter()
+    fed = seq[cache.length :] + proposal.tokens
+    logits = processors.rows(cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, : run.vocab], proposal.tokens)
+    if run.sync:
+        sync(cache.device)
+    # 4 accept; with eta > 0 and every draft accepted, p^ at k + 1 needs the drafter's row there
+    t2 = time.perf_counter()
+    verdict = sampling.verify(logits, proposal.tokens, proposal.rows, params, run.generator)
+    next_token, bonus_row = verdict.next_token, None
+    asked = next_token is None and requested > 0  # a schedule asking for 0 drafts asks for a plain step: p, no row
+    if next_token is None:
+        if asked:
+            bonus_row = active.bonus_row(run.config, run.stop_tokens, run.sync, processors)
+        next_token = sampling.bonus_token(logits, verdict.accepted, bonus_row, params, run.generator)
+    record = run.record_round(active, schedule, len(proposal.tokens), verdict.accepted, proposal, asked,
+                              (t0, t1, t2), len(fed))
+    return Round(proposal, verdict.accepted, next_token, logits, bonus_row, params, record)
+
+
+def commit_round(run: Rounds, round_: Round, remaining: int, assembler: TextAssembler) -> tuple[list[int], str, str | None]:
+    """Step 5: the round's emitted tokens, their text and why the answer finished (None: it goes on), cut at an
+    end of answer, a stop string, a complete grammar, ``max_new_tokens`` or the time limit; the processors, the
+    target's sequence and cache and whoever drafts follow the emitted tokens."""
+    emitted, finished = cut_answer(round_.tokens, remaining, run.stop_tokens)
+    text, stopped = assembler.add(emitted)
+    if stopped:
+        emitted, finished = emitted[: assembler.kept], "stop"  # no tokens after the stop string
+    if run.processors.commit(emitted):  # the answer completes its grammar
+        finished = finished or "stop"
+    if not finished and run.out_of_time():
+        finished = "time"
+    if finished and not stopped:
+        text += assembler.flush()
+    run.target_seq.extend(emitted)
+    run.target_cache.crop(min(run.target_cache.length, len(run.target_seq) - 1))
+    if run.drafter is not None:
+        run.drafter.commit(emitted)
+    elif run.lookup is not None:
+        run.lookup.commit(emitted)
+    return emitted, text, finished
+
+
 def run_rounds(run: Rounds, prompts, tokenizer, observer=None) -> Iterator[StreamChunk]:
     """Steps 2-5 of :meth:`rapidspec.Rapid.decode` until the answer ends, then the final chunk with the output.
 
-    ``prompts``: the generation's :class:`~rapidspec.prompts.PromptPair`; ``tokenizer`` decodes the answer;
+    ``prompts``: the generation's :class:`~rapidspec.prompting.prompts.PromptPair`; ``tokenizer`` decodes the answer;
     ``observer`` as in :meth:`~rapidspec.Rapid.decode`.
     """
-    config, stats, cache, seq = run.config, run.stats, run.target_cache, run.target_seq
-    prompt_length = len(seq)
-    assembler = TextAssembler(tokenizer, config.stop)
+    config, stats, seq = run.config, run.stats, run.target_seq
+    prompt_length, assembler, finished = len(seq), TextAssembler(tokenizer, config.stop), None
     started = time.perf_counter()
-    while True:
-        remaining = config.max_new_tokens - (len(seq) - prompt_length)
+    while not finished:
         if len(seq) > prompt_length:  # the drafter's preparation: one bounded piece between two rounds
             run.prepare_drafter(prompt_length)
-        drafter = run.drafter
-        active, schedule, params = run.drafting_now()  # the drafter, or lookup until it joins, or no one
-        # 2 draft
-        t0 = time.perf_counter()
-        requested = 0 if active is None else schedule.next_drafts()
-        k = min(requested, remaining - 1)
-        proposal = (NO_PROPOSAL if active is None
-                    else active.propose(k, config, run.generator, run.stop_tokens, run.grammar, run.penalties))
-        run.wait_for_drafter()
-        # 3 verify: one target forward over [pending, x_1..x_k] (a grammar masks each row as it masked the drafts)
-        t1 = time.perf_counter()
-        fed = seq[cache.length :] + proposal.tokens
-        target_logits = cache.forward(fed, num_logits=len(proposal.tokens) + 1)[:, : run.vocab]
-        if run.grammar is not None:
-            target_logits = apply_mask(target_logits, run.grammar.masks(proposal.tokens))
-        if run.penalties is not None:  # each row counts the drafts before it, as the drafter's rows did
-            target_logits = run.penalties.rows(target_logits, proposal.tokens)
-        if run.sync:
-            sync(cache.device)
-        # 4 accept; with eta > 0 and every draft accepted, p^ at k + 1 needs the drafter's row there
-        t2 = time.perf_counter()
-        verdict = sampling.verify(target_logits, proposal.tokens, proposal.rows, params, run.generator)
-        # a schedule asking for 0 drafts asks for a plain step: the token follows p (no drafter forward)
-        bonus_row, asked = None, verdict.next_token is None and requested > 0
-        if verdict.next_token is None:
-            bonus_row = (active.bonus_row(config, run.stop_tokens, run.sync, run.grammar, run.penalties) if asked
-                         else None)
-            next_token = sampling.bonus_token(target_logits, verdict.accepted, bonus_row, params, run.generator)
-            verdict = sampling.Verdict(verdict.accepted, next_token)
-        measured = run.record_round(active, schedule, len(proposal.tokens), verdict.accepted, proposal, asked,
-                                    (t0, t1, t2), len(fed))
-        # 5 commit: stop at EOS, a stop string, a complete grammar and max_new_tokens, then roll back the caches
-        emitted, finished = cut_answer(proposal.tokens[: verdict.accepted] + [verdict.next_token], remaining,
-                                       run.stop_tokens)
-        text, stopped = assembler.add(emitted)
-        if stopped:
-            emitted, finished = emitted[: assembler.kept], "stop"  # no tokens after the stop string
-        if run.grammar is not None:
-            run.grammar.commit(emitted)
-            finished = finished or ("stop" if run.grammar.finished else None)
-        if run.penalties is not None:
-            run.penalties.commit(emitted)
-        if not finished and run.out_of_time():
-            finished = "time"
-        if finished and not stopped:
-            text += assembler.flush()
-        logprobs = run.logprobs_of(target_logits, proposal.rows, bonus_row, emitted, params)
-        seq.extend(emitted)
-        cache.crop(min(cache.length, len(seq) - 1))
-        if drafter is not None:
-            drafter.commit(emitted)
-        elif run.lookup is not None:
-            run.lookup.commit(emitted)
+        remaining = config.max_new_tokens - (len(seq) - prompt_length)
+        round_ = run_round(run, remaining)
+        emitted, text, finished = commit_round(run, round_, remaining, assembler)
+        logprobs = run.logprobs_of(round_.target_logits, round_.proposal.rows, round_.bonus_row, emitted,
+                                   round_.params)
         if observer is not None:
-            observer(cache, seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
+            drafter = run.drafter
+            observer(run.target_cache, seq, getattr(drafter, "cache", None), getattr(drafter, "sequence", None))
         if emitted and not stats.time_to_first_token:
             stats.time_to_first_token = time.perf_counter() - run.started
         if text or emitted:
-            yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs, round=measured)
-        if finished:
-            break
-    sync(cache.device)
+            yield StreamChunk(text=text, token_ids=tuple(emitted), logprobs=logprobs, round=round_.record)
+    sync(run.target_cache.device)
     stats.decode_seconds = time.perf_counter() - started - run.prepare_seconds
-    stats.new_tokens = len(seq) - prompt_length
-    stats.stop_reason = finished
-    generated = tuple(seq[prompt_length:])
+    stats.new_tokens, stats.stop_reason = len(seq) - prompt_length, finished
+    yield StreamChunk(text="", token_ids=(), output=_output(run, prompt_length, assembler))
+
+
+def _output(run: Rounds, prompt_length: int, assembler: TextAssembler) -> GenerationOutput:
+    generated = tuple(run.target_seq[prompt_length:])
     prompts = run.join.prompts  # with the drafter's prompt and retrieval once they were prepared
     if run.drafter is not None:
         assert tuple(run.drafter.sequence[len(prompts.drafter_ids) :]) == generated
-    output = GenerationOutput(assembler.text, generated, stats, config, prompts.retrieval, prompts.retrieved_turns,
-                              None if config.logprobs is None else tuple(run.logprobs))
-    yield StreamChunk(text="", token_ids=(), output=output)
+    logprobs = None if run.config.logprobs is None else tuple(run.logprobs)
+    return GenerationOutput(assembler.text, generated, run.stats, run.config, prompts.retrieval,
+                            prompts.retrieved_turns, logprobs)

@@ -33,7 +33,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.items import EvalItem
 from rapidspec.evaluation.scorers import LOCOMO_ADVERSARIAL
 from rapidspec.evaluation.synthetic import synthetic_items
-from rapidspec.prompts import PromptTemplate
+from rapidspec.prompting.prompts import PromptTemplate
 
 FORMATS = ("longbench2", "leval", "locomo", "locomo-chat", "synthetic")
 

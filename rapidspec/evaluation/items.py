@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rapidspec.errors import RapidspecError
-from rapidspec.prompts import PromptTemplate
+from rapidspec.prompting.prompts import PromptTemplate
 
 TASK_TYPES = ("mc", "qa", "summary", "needle")
 

@@ -39,8 +39,8 @@ from rapidspec.config import MODE_TABLE
 from rapidspec.engine.defaults import resolve
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import EvalItem
-from rapidspec.evaluation.judge import JUDGED_TASK_TYPES
 from rapidspec.evaluation.item_runner import DRAFTER_ROW, ItemRunner, RunOptions
+from rapidspec.evaluation.judge import JUDGED_TASK_TYPES
 from rapidspec.evaluation.metrics import HEADLINE, bootstrap_ci
 from rapidspec.evaluation.run_config import separate_drafter
 from rapidspec.evaluation.variants import Sweep, Variant, run_matrix
@@ -197,82 +197,46 @@ class EvalRun:
     skipped: int
 
 
-def run_eval(
-    items: Sequence[EvalItem],
-    target,
-    *,
-    drafter=None,
-    spec=None,
-    retrieval=None,
-    modes: Sequence[str] = DEFAULT_MODES,
-    eta: float | None = None,
-    gamma: int = 6,
-    max_new_tokens: int | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    results: str | Path | None = None,
-    overwrite: bool = False,
-    data_label: str = "",
-    decode_options: dict | None = None,
-    sweep: Sweep | None = None,
-    retrieve_from: str | None = None,
-    other_items: Sequence[EvalItem] | None = None,
-    on_record: Callable[[dict], None] | None = None,
-    progress: bool = True,
-    prefill_progress: Callable[[int, int], None] | None = None,
-    judge=None,
-    workers=None,
-    logprobs: int = 0,
-) -> EvalRun:
+def run_eval(items: Sequence[EvalItem], target, *, drafter=None, spec=None, retrieval=None,
+             modes: Sequence[str] = DEFAULT_MODES, eta: float | None = None, gamma: int = 6,
+             max_new_tokens: int | None = None, temperature: float = 0.0, seed: int = 0,
+             results: str | Path | None = None, overwrite: bool = False, data_label: str = "",
+             decode_options: dict | None = None, sweep: Sweep | None = None, retrieve_from: str | None = None,
+             other_items: Sequence[EvalItem] | None = None, on_record: Callable[[dict], None] | None = None,
+             progress: bool = True, prefill_progress: Callable[[int, int], None] | None = None, judge=None,
+             workers=None, logprobs: int = 0) -> EvalRun:
     """Run every item under every mode (and sweep point, :mod:`.variants`) and score it.
 
-    ``target`` and ``drafter`` are :class:`rapidspec.models.LoadedModel`
-    objects (or anything :class:`rapidspec.Rapid` accepts), loaded from ``spec`` (an
-    :class:`~rapidspec.engine.spec.EngineSpec`; its drafter options and retrieval build the engine; None: the
-    defaults); ``retrieval``, a :class:`rapidspec.retrieval.RetrievalConfig`, replaces the spec's. ``max_new_tokens=None``
-    uses :data:`DEFAULT_MAX_NEW_TOKENS` per task type. ``retrieve_from``:
-    None (each item's own document), ``"other-item"`` (the next item's
-    document with other text among ``other_items``, default ``items``:
-    unrelated retrieval, the paper's Table 3) or the path of a text file to
-    retrieve from for every item. ``on_record`` is
-    called after each record is written (tests use it to simulate an interruption).
-    ``judge``: a :class:`~rapidspec.evaluation.judge.Judge` that rates open
-    answers (``qa``, ``summary``) into ``metrics`` (``judge``, ``judge_rating``).
-    ``workers``: a :class:`~rapidspec.scale.eval_workers.RayWorkers` that
-    answers the items on Ray actors with engines of their own, built from the spec
-    they were given (``target``, ``drafter`` and ``spec`` are then unused); the judge and the results file stay here.
-    ``logprobs``: K > 0 stores in each record the top-K log-probabilities of
-    its first answer tokens under the lc, rag and drafter views
-    (:mod:`~rapidspec.evaluation.logprob_views`). When the drafter is another
-    model than the target and a mode drafts from retrieved text, each item
-    also gets a record of mode ``drafter``: the drafter's own answer on the
-    retrieved text (rag with the drafter's weights). Drafting modes prepare their drafter before the first
-    round and draft ``gamma`` a round (``drafter_start="first"``, ``gamma_schedule="constant"``: the paper's
-    setting) unless ``decode_options`` say otherwise.
+    ``target`` and ``drafter`` are :class:`rapidspec.models.LoadedModel` objects (or anything
+    :class:`rapidspec.Rapid` accepts), loaded from ``spec`` (an :class:`~rapidspec.engine.spec.EngineSpec`; its
+    drafter options and retrieval build the engine; None: the defaults); ``retrieval``, a
+    :class:`rapidspec.retrieval.RetrievalConfig`, replaces the spec's. ``max_new_tokens=None`` uses
+    :data:`DEFAULT_MAX_NEW_TOKENS` per task type. ``retrieve_from``: None (each item's own document),
+    ``"other-item"`` (the next item's document with other text among ``other_items``, default ``items``:
+    unrelated retrieval, the paper's Table 3) or the path of a text file to retrieve from for every item.
+    ``on_record`` is called after each record is written (tests use it to simulate an interruption).
+    ``judge``: a :class:`~rapidspec.evaluation.judge.Judge` that rates open answers (``qa``, ``summary``) into
+    ``metrics`` (``judge``, ``judge_rating``). ``workers``: a :class:`~rapidspec.scale.eval_workers.RayWorkers`
+    that answers the items on Ray actors with engines of their own, built from the spec they were given
+    (``target``, ``drafter`` and ``spec`` are then unused); the judge and the results file stay here.
+    ``logprobs``: K > 0 stores in each record the top-K log-probabilities of its first answer tokens under the
+    lc, rag and drafter views (:mod:`~rapidspec.evaluation.logprob_views`). When the drafter is another model
+    than the target and a mode drafts from retrieved text, each item also gets a record of mode ``drafter``:
+    the drafter's own answer on the retrieved text (rag with the drafter's weights). Drafting modes prepare
+    their drafter before the first round and draft ``gamma`` a round (``drafter_start="first"``,
+    ``gamma_schedule="constant"``: the paper's setting) unless ``decode_options`` say otherwise.
     """
     from rapidspec.engine.spec import EngineSpec
 
     modes = tuple(modes)
-    for mode in modes:
-        if mode not in MODES:
-            raise RapidspecError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    if not items:
-        raise RapidspecError("no items to evaluate")
-    ids = [item.id for item in items]
-    if len(set(ids)) != len(ids):
-        raise RapidspecError("item ids are not unique")
+    _check(items, modes, logprobs)
     spec = spec or EngineSpec()
     if retrieval is not None:
         spec = replace(spec, retrieval=retrieval)
-    decode_options = dict(decode_options or {})
-    corpora = retrieval_corpora(items, retrieve_from, other_items)
     base = DecodeConfig(**{"mode": "rapid", "eta": eta, "gamma": gamma, "max_gamma": max(gamma, DecodeConfig.max_gamma),
                            "temperature": temperature, "seed": seed, "drafter_start": "first",
-                           "gamma_schedule": "constant", **decode_options})
-    if logprobs < 0 or logprobs > MAX_TOP_LOGPROBS:
-        raise RapidspecError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
-    if logprobs and any(item.messages for item in items):
-        raise RapidspecError("--logprobs applies to questions about documents, not to chat-form items")
+                           "gamma_schedule": "constant", **(decode_options or {})})
+    corpora = retrieval_corpora(items, retrieve_from, other_items)
     options = RunOptions(base, max_new_tokens, data_label, retrieve_from, corpora, logprobs)
     runner = ItemRunner(spec, target, drafter, options, prefill_progress) if workers is None else workers.start(options)
     config = dict(runner.config)
@@ -282,21 +246,45 @@ def run_eval(
         config["judge"] = judge.name
     store = ResultsFile(results, config, overwrite=overwrite)
     done = store.keys()
-
     variants = run_matrix(modes, base, sweep)
     if separate_drafter(config) and any(MODE_TABLE[m].drafter_reads == "retrieved" and MODE_TABLE[m].drafter_kind == "model"
                                         for m in modes):
         variants.append(Variant(DRAFTER_ROW, DRAFTER_ROW, base.with_mode("rag")))
     wanted = [(item, variant) for item in items for variant in variants]
     pending = [(item, v) for item, v in wanted if record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) not in done]
+    _write_records(runner.run_all(pending), store, config, judge, on_record,
+                   _bar(len(wanted), len(pending)) if progress and pending else None)
+    wanted_keys = {record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) for item, v in wanted}
+    selected = [r for r in store.records if key_of(r) in wanted_keys]
+    return EvalRun(selected, summarize(selected, seed=seed), new_records=len(pending), skipped=len(wanted) - len(pending))
 
-    bar = None
-    if progress and pending:
-        from tqdm import tqdm
 
-        bar = tqdm(total=len(wanted), initial=len(wanted) - len(pending), desc="eval", unit="run", dynamic_ncols=True)
+def _check(items: Sequence[EvalItem], modes: Sequence[str], logprobs: int) -> None:
+    """A RapidspecError for an unknown mode, no items, repeated item ids or a log-probability count out of range."""
+    for mode in modes:
+        if mode not in MODES:
+            raise RapidspecError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if not items:
+        raise RapidspecError("no items to evaluate")
+    ids = [item.id for item in items]
+    if len(set(ids)) != len(ids):
+        raise RapidspecError("item ids are not unique")
+    if logprobs < 0 or logprobs > MAX_TOP_LOGPROBS:
+        raise RapidspecError(f"--logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+    if logprobs and any(item.messages for item in items):
+        raise RapidspecError("--logprobs applies to questions about documents, not to chat-form items")
+
+
+def _bar(total: int, pending: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=total - pending, desc="eval", unit="run", dynamic_ncols=True)
+
+
+def _write_records(answered, store: "ResultsFile", config: dict, judge, on_record, bar) -> None:
+    """Rate (``judge``), store and report each answered (item, record) as it comes."""
     try:
-        for item, record in runner.run_all(pending):
+        for item, record in answered:
             if judge is not None and item.task_type in JUDGED_TASK_TYPES:
                 record["metrics"].update(judge.rate(item.question, record["prediction"], item.answers))
             record["config"] = config
@@ -309,10 +297,6 @@ def run_eval(
     finally:
         if bar is not None:
             bar.close()
-
-    wanted_keys = {record_key(item.id, v.mode, v.eta, v.gamma, v.sweep) for item, v in wanted}
-    selected = [r for r in store.records if key_of(r) in wanted_keys]
-    return EvalRun(selected, summarize(selected, seed=seed), new_records=len(pending), skipped=len(wanted) - len(pending))
 
 
 def retrieval_corpora(
@@ -328,7 +312,7 @@ def retrieval_corpora(
     if any(item.messages for item in items):
         raise RapidspecError("--retrieve-from applies to questions about documents, not to chat-form items")
     if retrieve_from != "other-item":
-        from rapidspec.textio import read_text
+        from rapidspec.prompting.textio import read_text
 
         text = read_text(retrieve_from)
         if not text.strip():

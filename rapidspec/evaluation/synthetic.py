@@ -3,7 +3,7 @@
 Contract:
 
 * The haystack is real prose, the paragraphs of the built-in demo document's
-  source (:mod:`rapidspec.demo_document`: the Python Language Reference),
+  source (:mod:`rapidspec.prompting.demo_document`: the Python Language Reference),
   taken in order from a seeded starting paragraph (wrapping around), until the
   document reaches ``length - reserve_tokens`` tokens (the last paragraph cut
   at a sentence). ``reserve_tokens`` leaves room for the instructions, the
@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from rapidspec.demo_document import SENTENCE_END, token_counter, source_paragraphs
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.items import EvalItem
-from rapidspec.prompts import PromptTemplate
+from rapidspec.prompting.demo_document import SENTENCE_END, token_counter, source_paragraphs
+from rapidspec.prompting.prompts import PromptTemplate
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue")
 NEEDLES_PER_ITEM = 4  # multikey: 1 asked + 3 distractors; multivalue: 4 values

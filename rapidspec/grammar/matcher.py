@@ -121,6 +121,14 @@ class GrammarState:
         """The masks after each prefix of ``drafts``: rows 0..k ([k + 1, V] bool), as the target's rows."""
         return torch.stack([self.mask_after(drafts[:i]) for i in range(len(drafts) + 1)])
 
+    def rows(self, logits: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
+        """The target's rows after each prefix of ``drafts`` with what the grammar forbids at -inf ([k + 1, V])."""
+        return apply_mask(logits, self.masks(drafts))
+
+    def row_after(self, logits: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
+        """A drafter's row after the committed answer then ``path`` with what the grammar forbids at -inf ([V])."""
+        return apply_mask(logits, self.mask_after(path))
+
     def allowed_prefix(self, drafts: Sequence[int]) -> int:
         """How many leading ``drafts`` the grammar allows (drafts that did not see the masks: lookup's)."""
         for i, token in enumerate(drafts):

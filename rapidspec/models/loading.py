@@ -218,15 +218,9 @@ def check_loadable(name: str) -> None:
                              "or locally cached Hugging Face id")
 
 
-def load_model(
-    name: str = "builtin",
-    dtype: str | torch.dtype = "auto",
-    device: str | torch.device = "auto",
-    device_map: Any = None,
-    attention: str = "native-gqa",
-    quantize: str = "auto",
-    runtime: str = "auto",
-) -> LoadedModel:
+def load_model(name: str = "builtin", dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+               device_map: Any = None, attention: str = "native-gqa", quantize: str = "auto",
+               runtime: str = "auto") -> LoadedModel:
     """Load a causal LM and its tokenizer, offline.
 
     ``name``: ``builtin``, ``builtin:<key>``, a ``.gguf`` path, a local
@@ -265,16 +259,7 @@ def load_model(
     check_low_bit_device(quantize, torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     start = time.perf_counter()
-    if gguf is not None:
-        converted, scratch = gguf_conversion(gguf, torch_dtype)  # cached in the dtype it is used in
-        try:
-            model, tokenizer = _load_pretrained(str(converted), torch_dtype, torch_device, device_map, attention)
-        finally:
-            if scratch is not None:  # the cache folder could not take it: converted for this load only
-                shutil.rmtree(scratch, ignore_errors=True)
-    else:
-        model, tokenizer = _load_pretrained(source, torch_dtype, torch_device, device_map, attention)
-
+    model, tokenizer = _load_weights(source, gguf, torch_dtype, torch_device, device_map, attention)
     reason = sliding_window_reason(model.config)
     if reason is not None:
         raise RapidspecError(f"cannot use {name}: {reason}, whose cache rapidspec cannot roll back yet; "
@@ -292,17 +277,21 @@ def load_model(
         "loaded %s from %s (%s, %s, context %d) in %.1f s",
         name, source, param.dtype, param.device, max_context, time.perf_counter() - start,
     )
-    return LoadedModel(
-        name=name,
-        model=model,
-        tokenizer=tokenizer,
-        device=param.device,
-        dtype=param.dtype,
-        max_context=max_context,
-        source=source,
-        quantization=quantize,
-        lean=lean,
-    )
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=param.device, dtype=param.dtype,
+                       max_context=max_context, source=source, quantization=quantize, lean=lean)
+
+
+def _load_weights(source: str, gguf: Path | None, dtype: torch.dtype, device: torch.device, device_map,
+                  attention: str):
+    """(model, tokenizer) from a folder or hub cache, or from a GGUF file converted (and cached) in ``dtype``."""
+    if gguf is None:
+        return _load_pretrained(source, dtype, device, device_map, attention)
+    converted, scratch = gguf_conversion(gguf, dtype)  # cached in the dtype it is used in
+    try:
+        return _load_pretrained(str(converted), dtype, device, device_map, attention)
+    finally:
+        if scratch is not None:  # the cache folder could not take it: converted for this load only
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _at_precision(model, quantize: str, gguf: Path | None, device: torch.device, dtype: torch.dtype,

@@ -20,8 +20,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from rapidspec import __version__
 from rapidspec.config import MAX_TOKENS, SHARED_PREFILL_TOKENS, DecodeConfig
-from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.errors import RapidspecError
+from rapidspec.prompting.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server.errors import add_error_handlers
 from rapidspec.server.http import READ_TIMEOUT_S, DrainGate

@@ -22,9 +22,9 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from rapidspec.conversation import parse_documents, parse_messages
 from rapidspec.errors import RapidspecError
 from rapidspec.grammar.tools import with_tool_grammar
+from rapidspec.prompting.conversation import parse_documents, parse_messages
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.server.errors import failure
 from rapidspec.server.pieces import PrefillPieces

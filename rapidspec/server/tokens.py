@@ -19,9 +19,9 @@ import re
 import threading
 from collections.abc import Sequence
 
-from rapidspec.conversation import Message
 from rapidspec.errors import RapidspecError
-from rapidspec.prompts import chat_template_ids
+from rapidspec.prompting.conversation import Message
+from rapidspec.prompting.prompts import chat_template_ids
 
 #: Characters tokenized at a time while counting (a few thousand tokens).
 SLICE_CHARS = 16384

@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass, field, fields
 
 from rapidspec.config import DRAFTER_BACKENDS
-from rapidspec.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.errors import RapidspecError
+from rapidspec.prompting.conversation import DEFAULT_RECENT_MESSAGES
 from rapidspec.retrieval import RetrievalConfig
 
 ENV_VARIABLE = "RAPIDSPEC_VLLM_OPTIONS"

@@ -14,9 +14,9 @@ and the query apart, so the prompt is read back into chat messages:
    prompt is one raw text: ``rapidspec chat`` reads it as a pasted document,
    its last paragraph the query.
 
-Documents placed as rapidspec places them (:func:`rapidspec.conversation.with_documents`:
+Documents placed as rapidspec places them (:func:`rapidspec.prompting.conversation.with_documents`:
 a system message ending in ``<documents>...</documents>``) are taken out of
-the system message again, so :func:`rapidspec.conversation.chat_prompts`
+the system message again, so :func:`rapidspec.prompting.conversation.chat_prompts`
 retrieves from them as for a request that sent ``documents``.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from rapidspec.conversation import DOCUMENTS_SYSTEM, FULL_SOURCE, Message, render
+from rapidspec.prompting.conversation import DOCUMENTS_SYSTEM, FULL_SOURCE, Message, render
 from rapidspec.retrieval import CHUNK_SEPARATOR
 
 _DOCUMENTS_HEAD, _DOCUMENTS_TAIL = DOCUMENTS_SYSTEM.format(source=FULL_SOURCE, documents="\x00").split("\x00")

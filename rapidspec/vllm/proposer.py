@@ -15,7 +15,7 @@ read). For each request the proposer:
    reads it in chunks), reads its prompt back into chat messages
    (:mod:`.prompt_reading`), retrieves from its long context for its last user
    message exactly as ``rapidspec chat`` and ``rapidspec serve`` do
-   (:func:`rapidspec.conversation.chat_prompts` in mode ``ragsd``) and
+   (:func:`rapidspec.prompting.conversation.chat_prompts` in mode ``ragsd``) and
    prefills a drafter on the short prompt (a llama.cpp context over a GGUF on
    the CPU, or a torch cache on vLLM's device; the drafter pools of
    :mod:`rapidspec.drafting.backends`, which hand a finished request's cache to
@@ -53,9 +53,9 @@ import numpy as np
 import torch
 
 from rapidspec.config import DecodeConfig
-from rapidspec.conversation import chat_prompts
 from rapidspec.drafting.gamma_schedule import CostSchedule
 from rapidspec.models.vocabulary import eos_token_ids
+from rapidspec.prompting.conversation import chat_prompts
 from rapidspec.retrieval import Retriever
 from rapidspec.vllm.costs import StepClock
 from rapidspec.vllm.drafter_source import drafter_pool

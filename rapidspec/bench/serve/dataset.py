@@ -1,6 +1,6 @@
 """The chat requests of ``rapidspec bench serve``: what each request asks, in OpenAI's chat shape.
 
-* ``builtin``: the built-in demo document (:mod:`rapidspec.demo_document`)
+* ``builtin``: the built-in demo document (:mod:`rapidspec.prompting.demo_document`)
   sent as the request's ``documents``, with one of :data:`BUILTIN_QUESTIONS`
   as the user message; every request shares the document, so after the first
   one the server's prefix cache holds it.
@@ -57,14 +57,14 @@ class BenchRequest:
         """The conversation with the documents placed in it as rapidspec's target reads them (for a peer server)."""
         if not self.documents:
             return list(self.messages)
-        from rapidspec.conversation import parse_messages, with_documents
+        from rapidspec.prompting.conversation import parse_messages, with_documents
 
         return [m.to_dict() for m in with_documents(parse_messages(list(self.messages)), self.documents)]
 
 
 def builtin_requests(document_tokens: int | None = None) -> list[BenchRequest]:
     """One request per built-in question, all about the same demo document (about ``document_tokens`` tokens)."""
-    from rapidspec.demo_document import DEFAULT_TARGET_TOKENS, demo_document
+    from rapidspec.prompting.demo_document import DEFAULT_TARGET_TOKENS, demo_document
 
     document = demo_document(target_tokens=document_tokens or DEFAULT_TARGET_TOKENS).document
     return [BenchRequest(({"role": "user", "content": q},), (document,)) for q in BUILTIN_QUESTIONS]

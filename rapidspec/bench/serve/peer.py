@@ -112,7 +112,7 @@ class PeerServer(LocalServer):
 
 def slot_context(tokenizer, requests: list[BenchRequest], answer_tokens: int) -> int:
     """Tokens one slot needs: the longest prompt (as the peer reads it) + the longest answer + a margin."""
-    from rapidspec.conversation import parse_messages, render
+    from rapidspec.prompting.conversation import parse_messages, render
 
     longest = max(len(render(tokenizer, parse_messages(r.inlined_messages()))) for r in requests)
     needed = longest + answer_tokens + SLOT_MARGIN_TOKENS

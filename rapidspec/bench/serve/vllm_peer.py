@@ -55,7 +55,7 @@ VLLM_COUNTERS = {
     "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
     "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
 }
-#: Body fields vLLM reads as rapidspec does (its penalties count the same tokens: rapidspec.penalties).
+#: Body fields vLLM reads as rapidspec does (its penalties count the same tokens: rapidspec.verification.penalties).
 SHARED_FIELDS = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "model", "ignore_eos",
                            "frequency_penalty", "presence_penalty", "repetition_penalty"})
 #: A line that is an exception's name and message (alone or logged as an ERROR), and vLLM's own wrappers of the
@@ -166,7 +166,7 @@ class VllmServer(LocalServer):
 
 def max_model_len(tokenizer, requests, answer_tokens: int, speculative_tokens: int) -> int:
     """Tokens a request needs: the longest prompt (as vLLM reads it) + the longest answer + K + a margin."""
-    from rapidspec.conversation import parse_messages, render
+    from rapidspec.prompting.conversation import parse_messages, render
 
     longest = max(len(render(tokenizer, parse_messages(r.inlined_messages()))) for r in requests)
     needed = longest + answer_tokens + speculative_tokens + LENGTH_MARGIN_TOKENS

@@ -6,7 +6,7 @@ import asyncio
 
 from fastapi import APIRouter, Depends
 
-from rapidspec.conversation import parse_messages
+from rapidspec.prompting.conversation import parse_messages
 from rapidspec.server.openapi import TOKENS
 from rapidspec.server.schemas import DetokenizeRequest, TokenizeRequest
 from rapidspec.server.state import ServerState, server_state

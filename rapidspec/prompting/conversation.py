@@ -38,11 +38,11 @@ import bisect
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from rapidspec.config import MODE_TABLE
 from rapidspec.errors import ContextLengthError, RapidspecError
-from rapidspec.prompts import TEMPLATE_TOKENS, DeferredDrafterPrompt, PromptPair, chat_template_ids, cut_middle, text_ids
+from rapidspec.prompting.prompts import TEMPLATE_TOKENS, DeferredDrafterPrompt, PromptPair, chat_template_ids, cut_middle, text_ids
 from rapidspec.retrieval import CHUNK_SEPARATOR
 
 logger = logging.getLogger(__name__)
@@ -200,55 +200,18 @@ def chat_prompts(
     defer: bool = False,
 ) -> PromptPair:
     """The target's and the drafter's prompts of a conversation (see the module docstring); ``defer`` as in
-    :func:`rapidspec.prompts.document_prompts`."""
+    :func:`rapidspec.prompting.prompts.document_prompts`."""
     if recent_messages < 0:
         raise RapidspecError(f"recent_messages must be >= 0, got {recent_messages}", param="recent_messages")
     if query is not None and not query.strip():
         raise RapidspecError("the query is empty", param="query")
-    n_system = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
-    system_text = CHUNK_SEPARATOR.join(m.content for m in messages[:n_system])
-    rest = list(messages[n_system:])
-    earlier, last = rest[:-1], rest[-1]
-    question = next((m.content for m in reversed(rest) if m.role == "user"), last.content)  # after tools too
+    talk = _Conversation.of(messages, documents, recent_messages)
     spec = MODE_TABLE[mode]
     target_reads_retrieved = spec.target_reads == "retrieved"
-    deferring = defer and spec.uses_retrieval and not target_reads_retrieved
-
-    def with_system(extra: str) -> list[Message]:
-        text = CHUNK_SEPARATOR.join(t for t in (system_text, extra) if t)
-        return [Message("system", text)] if text else []
-
-    # What retrieval reads (None: nothing to retrieve from), and the long messages the target reads.
-    corpus_text, corpus_turns, recent, pasted = None, None, [], None
-    if documents:
-        long_messages = with_documents(messages, documents)
-        corpus_text = CHUNK_SEPARATOR.join(documents)
-    elif earlier:
-        long_messages = with_system("") + rest
-        recent = earlier[len(earlier) - recent_messages :] if recent_messages else []
-        corpus_turns = earlier[: len(earlier) - len(recent)]
-        if not any(m.content.strip() for m in corpus_turns):
-            corpus_turns = None
-    else:
-        long_messages = with_system("") + [last]
-        pasted = _split_pasted(last.content)
-        corpus_text = pasted[0] if pasted[0].strip() else None
+    document_at = 0 if documents else None  # the system message that holds them
 
     def retrieve() -> tuple[object, tuple[int, ...], list[Message]]:
-        """(retrieval, the turns it picked, the short messages the drafter reads)."""
-        if not spec.uses_retrieval or (corpus_text is None and corpus_turns is None):
-            return None, (), long_messages
-        if documents:
-            retrieval = retriever.retrieve(corpus_text, query or question)
-            return retrieval, (), with_documents(messages, (retrieval.text,), RETRIEVED_SOURCE)
-        if corpus_turns is not None:
-            retrieval = retriever.retrieve_segments([m.content for m in corpus_turns], query or question)
-            kept, picked = _retrieved_turns(corpus_turns, retrieval)
-            return retrieval, tuple(n_system + i for i in picked), with_system("") + kept + recent + [last]
-        retrieval = retriever.retrieve(corpus_text, query or pasted[2])
-        return retrieval, (), with_system("") + [Message("user", retrieval.text + pasted[1] + pasted[2])]
-
-    document_at = 0 if documents else None  # the system message that holds them
+        return talk.retrieve(retriever, query) if spec.uses_retrieval else (None, (), talk.long_messages)
 
     def drafter_prompt(short_messages, target_messages) -> tuple[int, ...] | None:
         if spec.drafter_reads not in ("full", "retrieved"):  # a streaming view is the engine's
@@ -256,23 +219,80 @@ def chat_prompts(
         drafter_messages = short_messages if spec.drafter_reads == "retrieved" else target_messages
         return tuple(fit_messages(tokenizer, drafter_messages, drafter_window, truncate, raw, document_at)[0])
 
-    if deferring:
-        target_ids, truncated = fit_messages(tokenizer, long_messages, target_window, truncate, raw, document_at)
+    if defer and spec.uses_retrieval and not target_reads_retrieved:
+        target_ids, truncated = fit_messages(tokenizer, talk.long_messages, target_window, truncate, raw, document_at)
         target_ids = tuple(target_ids)
 
         def resolve() -> PromptPair:
             found, turns, short_messages = retrieve()
-            return PromptPair(target_ids, drafter_prompt(short_messages, long_messages), found, truncated,
+            return PromptPair(target_ids, drafter_prompt(short_messages, talk.long_messages), found, truncated,
                               retrieved_turns=turns)
 
-        embed = 0 if corpus_text is None else retriever.tokens_to_embed(corpus_text, len(target_ids))
+        embed = 0 if talk.corpus_text is None else retriever.tokens_to_embed(talk.corpus_text, len(target_ids))
         deferred = DeferredDrafterPrompt(resolve, retriever.drafter_budget(len(target_ids)) + TEMPLATE_TOKENS, embed)
         return PromptPair(target_ids, None, None, truncated, deferred=deferred)
     retrieval, turns, short_messages = retrieve()
-    target_messages = short_messages if target_reads_retrieved else long_messages
+    target_messages = short_messages if target_reads_retrieved else talk.long_messages
     target_ids, truncated = fit_messages(tokenizer, target_messages, target_window, truncate, raw, document_at)
     drafter_ids = drafter_prompt(short_messages, target_messages)
     return PromptPair(tuple(target_ids), drafter_ids, retrieval, truncated, target_reads_retrieved, turns)
+
+
+@dataclass(frozen=True)
+class _Conversation:
+    """A conversation as the prompts read it: the long messages the target reads in full, and what retrieval
+    searches (``corpus_text``: the documents or a pasted text; ``corpus_turns``: the earlier turns but the
+    ``recent`` ones; both None: nothing to retrieve from)."""
+
+    messages: Sequence[Message]
+    documents: Sequence[str]
+    n_system: int  # leading system messages
+    question: str  # the last user message (after tool results too)
+    long_messages: list[Message]
+    corpus_text: str | None = None
+    corpus_turns: list[Message] | None = None
+    recent: list[Message] = field(default_factory=list)
+    pasted: tuple[str, str, str] | None = None  # (text, what joins it to the question, the question)
+
+    @classmethod
+    def of(cls, messages: Sequence[Message], documents: Sequence[str], recent_messages: int) -> "_Conversation":
+        n_system = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+        rest = list(messages[n_system:])
+        earlier, last = rest[:-1], rest[-1]
+        question = next((m.content for m in reversed(rest) if m.role == "user"), last.content)
+        talk = cls(messages, documents, n_system, question, [])
+        if documents:
+            return replace(talk, long_messages=with_documents(messages, documents),
+                           corpus_text=CHUNK_SEPARATOR.join(documents))
+        if earlier:
+            recent = earlier[len(earlier) - recent_messages :] if recent_messages else []
+            turns = earlier[: len(earlier) - len(recent)]
+            return replace(talk, long_messages=talk.with_system() + rest, recent=recent,
+                           corpus_turns=turns if any(m.content.strip() for m in turns) else None)
+        pasted = _split_pasted(last.content)
+        return replace(talk, long_messages=talk.with_system() + [last], pasted=pasted,
+                       corpus_text=pasted[0] if pasted[0].strip() else None)
+
+    def with_system(self) -> list[Message]:
+        """The leading system messages as one (none when they are empty)."""
+        text = CHUNK_SEPARATOR.join(m.content for m in self.messages[: self.n_system])
+        return [Message("system", text)] if text else []
+
+    def retrieve(self, retriever, query: str | None) -> tuple[object, tuple[int, ...], list[Message]]:
+        """(retrieval, the turns it picked, the short messages the drafter reads)."""
+        if self.corpus_text is None and self.corpus_turns is None:
+            return None, (), self.long_messages
+        last = self.messages[-1]
+        if self.documents:
+            retrieval = retriever.retrieve(self.corpus_text, query or self.question)
+            return retrieval, (), with_documents(self.messages, (retrieval.text,), RETRIEVED_SOURCE)
+        if self.corpus_turns is not None:
+            retrieval = retriever.retrieve_segments([m.content for m in self.corpus_turns], query or self.question)
+            kept, picked = _retrieved_turns(self.corpus_turns, retrieval)
+            return retrieval, tuple(self.n_system + i for i in picked), self.with_system() + kept + self.recent + [last]
+        text, joint, question = self.pasted
+        retrieval = retriever.retrieve(self.corpus_text, query or question)
+        return retrieval, (), self.with_system() + [Message("user", retrieval.text + joint + question)]
 
 
 def _retrieved_turns(corpus: Sequence[Message], retrieval) -> tuple[list[Message], list[int]]:

@@ -4,7 +4,7 @@ Each answer token is reported under the distribution it follows: the
 target's p, or p^ (paper Eq. 6) when eta > 0, whether the token was a draft
 the target accepted, the recovered token at a rejection or the bonus token
 (speculative sampling makes every emitted token follow that distribution,
-:mod:`rapidspec.sampling`). When sampling, p and p^ are taken after top-k /
+:mod:`rapidspec.verification.sampling`). When sampling, p and p^ are taken after top-k /
 top-p at the temperature, as tokens are drawn; when greedy, at temperature 1
 without filters, the distribution whose argmax picked the token.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rapidspec.sampling import SamplingParams, augmented_rows
+from rapidspec.verification.sampling import SamplingParams, augmented_rows
 
 #: The log-probability reported for an impossible token (as vLLM does).
 FLOOR = -9999.0
@@ -31,10 +31,10 @@ class TokenLogprob:
 
 
 def output_logprobs(target_logits: torch.Tensor, draft_rows: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
-    """log p (eta = 0) or log p^ per position: [n, V] -> [n, V] (:func:`rapidspec.sampling.augmented_rows`).
+    """log p (eta = 0) or log p^ per position: [n, V] -> [n, V] (:func:`rapidspec.verification.sampling.augmented_rows`).
 
     ``draft_rows`` ([r, V], r <= n) are the drafter's rows as
-    :func:`rapidspec.sampling.verify` takes them (raw logits when greedy, q
+    :func:`rapidspec.verification.sampling.verify` takes them (raw logits when greedy, q
     when sampling); positions past r, or all when None, use p.
     """
     return augmented_rows(target_logits, draft_rows, params).log_softmax(-1)
