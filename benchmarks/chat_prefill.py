@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from rapidspec import Rapid
+from rapidspec import EngineSpec, Rapid
 from rapidspec.cli.options import add_model_options, load_models
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target, drafter = load_models(args)
     retrieval = RetrievalConfig(method="bm25")
-    cached = Rapid(target, drafter, retrieval=retrieval, kv_cache_gib=0)  # timed prefills: none read from disk
-    uncached = Rapid(target, retrieval=retrieval, reuse_document_cache=False, kv_cache_gib=0)
+    cached = Rapid(EngineSpec(retrieval=retrieval, kv_cache_gib=0), target=target, drafter=drafter)  # timed prefills: none read from disk
+    uncached = Rapid(EngineSpec(retrieval=retrieval, reuse_document_cache=False, kv_cache_gib=0), target=target)
     config = DecodeConfig(mode=args.mode, max_new_tokens=args.max_new_tokens, truncate="error")
     conversation = sample["conversation"]
     messages = [{"role": "system", "content": f"A conversation between {conversation.get('speaker_a')} (the user) "

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from rapidspec import Rapid, load_model
+from rapidspec import EngineSpec, Rapid, load_model
 from rapidspec.config import DecodeConfig
 from rapidspec.errors import RapidspecError
 from rapidspec.evaluation.datasets import load_items
@@ -49,7 +49,7 @@ def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
 
 def run_dtype(args, dtype: str, items, modes) -> list[dict]:
     target = load_model(args.target, dtype=dtype)
-    engine = Rapid(target, retrieval=RetrievalConfig(method=args.retrieval, chunk_tokens=256), kv_cache_gib=0)
+    engine = Rapid(EngineSpec(retrieval=RetrievalConfig(method=args.retrieval, chunk_tokens=256), kv_cache_gib=0), target=target)
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, ignore_eos=True)
     rows = []
     for item in track(items, description=f"{dtype}", console=Console(stderr=True), transient=True):

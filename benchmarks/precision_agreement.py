@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.own_documents import QUESTIONS, is_right, load_questions
-from rapidspec import Rapid, load_model
+from rapidspec import EngineSpec, Rapid, load_model
 from rapidspec.errors import RapidspecError
 from rapidspec.config import TARGET_QUANTIZATIONS
 
@@ -76,7 +76,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def answer_all(args, quantize: str, records: list[dict], console: Console) -> dict:
     target = load_model(args.target, dtype=args.dtype, quantize=quantize)
-    engine = Rapid(target, kv_cache_gib=0)  # every prefill computed at the precision compared, none read from disk
+    engine = Rapid(EngineSpec(kv_cache_gib=0), target=target)  # every prefill computed at the precision compared, none read from disk
     answers, started = [], time.perf_counter()
     for index, record in enumerate(records):
         out = engine.generate(record["document"], record["question"], template=record["template"], mode="lc",

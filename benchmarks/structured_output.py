@@ -42,7 +42,7 @@ def main() -> None:
     from rapidspec.models.spec import ModelSpec
     from rapidspec.prompting.demo_document import demo_document
 
-    engine = Rapid.from_spec(EngineSpec(ModelSpec(target=args.target)))
+    engine = Rapid(EngineSpec(ModelSpec(target=args.target)))
     item = demo_document(tokenizer=engine.tokenizer)
     grammar = Grammar.json_schema(SCHEMA)
     engine.generate(item.document, QUESTION, mode="lc", max_new_tokens=1)  # the document's prefill, stored

@@ -31,12 +31,12 @@ def one_arm(arm: str, target: str, tokens: int, answers: int, new_tokens: int) -
     """Decode, let a helper thread copy once, decode again; milliseconds per token before and after."""
     import torch
 
-    from rapidspec import Rapid, load_model
+    from rapidspec import EngineSpec, Rapid, load_model
     from rapidspec.prompting.demo_document import demo_document
     from rapidspec.runtime.threads import helper_thread
 
     loaded = load_model(target)
-    engine = Rapid(loaded, kv_cache_gib=0)
+    engine = Rapid(EngineSpec(kv_cache_gib=0), target=loaded)
     item = demo_document(tokenizer=loaded.tokenizer, target_tokens=tokens)
 
     def per_token(suffix: str) -> list[float]:

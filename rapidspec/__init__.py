@@ -1,7 +1,7 @@
 """rapidspec: long-context inference with retrieval-augmented speculative decoding (RAPID).
 
     from rapidspec import EngineSpec, ModelSpec, Rapid
-    engine = Rapid.from_spec(EngineSpec(ModelSpec(target="builtin")))
+    engine = Rapid(EngineSpec(ModelSpec(target="builtin")))   # or Rapid(target=load_model(...))
     out = engine.generate(document, question)   # mode rapid, its defaults
 
 Heavy modules (torch, transformers) load on first use of these names.

@@ -309,7 +309,7 @@ def vllm_offline(smollm2, tmp_path_factory):
         pytest.skip("vLLM's venv is not set up here (`make vllm`; `make test` runs it)")
     folder = export_model("builtin:smollm2-135m", tmp_path_factory.mktemp("vllm") / "smollm2", dtype="float32")
     config = DecodeConfig(mode="lc", temperature=0.0, max_new_tokens=CHAT_MAX_TOKENS)
-    prompt_ids = list(Rapid(smollm2).chat_prompts(CHAT, config).target_ids)
+    prompt_ids = list(Rapid(target=smollm2).chat_prompts(CHAT, config).target_ids)
     return run_offline(folder, prompt_ids)
 
 

@@ -23,6 +23,7 @@ from rapidspec.runtime.lean import LeanModel, Row
 from rapidspec.runtime.lean_cache import LeanKVCache
 from rapidspec.server.worker import Worker
 from tests.server_harness import HTTP, running_server
+from tests.specs import spec_of
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
 DOCUMENT = " ".join(f"Fact {i}: the archive of room {i} opens at {i % 12 + 1} o'clock." for i in range(60))
@@ -200,7 +201,7 @@ def test_requests_served_together_answer_as_alone(lean_target, lean_drafter, dra
     mode = {"lookup": "lookup", "lc": "lc"}.get(drafter_kind, "rapid")
     # nothing on disk: the requests served together would read what those served alone wrote, prefill sooner and
     # so let the drafter join at another round (the join follows the prefill's time)
-    engine = Rapid(lean_target, drafter, retrieval=RETRIEVAL, drafter_backend="torch", kv_cache_gib=0)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="torch", kv_cache_gib=0), target=lean_target, drafter=drafter)
     with running_server(engine, max_num_seqs=1, batch_steps=False) as url:
         alone = _answers(url, QUESTIONS, mode, concurrently=False)
     apps: list = []
@@ -221,7 +222,7 @@ def test_requests_served_together_answer_as_alone_with_a_llama_cpp_drafter(lean_
     if not llama_cpp_available():
         pytest.skip("llama-cpp-python is not installed")
     gguf = str(write_tiny_gguf(lean_target, tmp_path / "self.gguf"))
-    engine = Rapid(lean_target, gguf, retrieval=RETRIEVAL, drafter_backend="llama.cpp", kv_cache_gib=0)  # as above
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", kv_cache_gib=0), target=lean_target, drafter=gguf)  # as above
     with running_server(engine, max_num_seqs=1, batch_steps=False) as url:
         alone = _answers(url, QUESTIONS, "rapid", concurrently=False)
     apps: list = []

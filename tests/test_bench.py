@@ -12,6 +12,7 @@ from rapidspec.engine import Rapid
 from rapidspec.errors import RapidspecError
 from rapidspec.bench import speed
 from rapidspec.retrieval import RetrievalConfig
+from tests.specs import spec_of
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)
 DOCUMENT = " ".join(f"Paragraph {i}: the quick brown fox number {i} jumps over the lazy dog." for i in range(6))
@@ -20,7 +21,7 @@ QUESTION = "What does the fox do?"
 
 @pytest.fixture(scope="module")
 def report(tiny_model):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=tiny_model)
     items = [speed.BenchItem(DOCUMENT, QUESTION, 0), speed.BenchItem(DOCUMENT[:250], QUESTION, 0)]
     # eta = 0: rapid is then plain speculative decoding and must equal lc.
     return speed.run_benchmark(
@@ -73,7 +74,7 @@ def test_equality_flag_detects_different_answers(report):
 
 
 def test_sweep_runs_rapid_per_value(tiny_model):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=tiny_model)
     sweep = speed.parse_sweep("gamma=1,3")
     report = speed.run_benchmark(
         engine, [speed.BenchItem(DOCUMENT, QUESTION)], base=DecodeConfig(max_new_tokens=6, eta=0.0), repeats=1,
@@ -125,7 +126,7 @@ def test_load_items(tmp_path):
 
 
 def test_engine_must_not_reuse_document_cache(tiny_model):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model)
     with pytest.raises(RapidspecError, match="reuse_document_cache"):
         speed.run_benchmark(engine, [speed.BenchItem(DOCUMENT, QUESTION)])
 
@@ -171,7 +172,7 @@ def test_peak_memory_is_reported_per_result(report):
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_ignore_eos_gives_every_mode_the_full_length(tiny_model, ignore_eos):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=tiny_model)
     plain = engine.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=12).token_ids
     stop_token = plain[3]  # make a token of the answer the end-of-sequence token
     engine.eos_token_ids = frozenset({stop_token})
@@ -188,7 +189,7 @@ def test_ignore_eos_gives_every_mode_the_full_length(tiny_model, ignore_eos):
 
 
 def test_shared_prefill_is_measured_once_and_credited_to_every_run(tiny_model):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=True)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=True), target=tiny_model)
     base = DecodeConfig(max_new_tokens=8, eta=0.0)
     report = speed.run_benchmark(
         engine, [speed.BenchItem(DOCUMENT, QUESTION)], ("lc", "rag", "ragsd", "rapid"), base, repeats=2,
@@ -204,7 +205,7 @@ def test_shared_prefill_is_measured_once_and_credited_to_every_run(tiny_model):
 
 
 def test_engine_and_share_prefill_must_agree(tiny_model):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=tiny_model)
     with pytest.raises(RapidspecError, match="reuse_document_cache=True"):
         speed.run_benchmark(engine, [speed.BenchItem(DOCUMENT, QUESTION)], ("lc",), repeats=1, share_prefill=True)
 

@@ -19,6 +19,7 @@ from rapidspec.bench.serve.dataset import BUILTIN_QUESTIONS, BenchRequest, built
 from rapidspec.bench.serve.stats import RequestResult, distribution, percentile, summarize
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import SlowEngine, free_port, running_server
+from tests.specs import spec_of
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
 # A short built-in document (~1.2K bytes: the byte-level tiny model's window is 4K tokens).
@@ -205,7 +206,7 @@ def test_dataset_files(tmp_path):
 # ------------------------------------------------------------ live runs on the tiny model
 @pytest.fixture(scope="module")
 def engine(tiny_model, other_tiny_model):
-    return Rapid(tiny_model, other_tiny_model, retrieval=RETRIEVAL)
+    return Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model, drafter=other_tiny_model)
 
 
 def _run(capsys, *argv) -> tuple[int, dict, str]:

@@ -14,6 +14,7 @@ from rapidspec.cli import main
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import running_server
+from tests.specs import spec_of
 
 SMALL = ["--max-tokens", "4", "--ignore-eos", "--timeout", "60"]
 DOCUMENTS = [" ".join(f"Note {i}.{j}: the {'red' if i else 'blue'} shelf holds {j} jars." for j in range(24))
@@ -67,7 +68,7 @@ def test_an_empty_or_missing_file_is_refused(tmp_path):
 
 def test_a_live_run_asks_every_question_and_follow_ups_find_the_document_cached(tiny_model, other_tiny_model,
                                                                               documents_file, capsys):
-    engine = Rapid(tiny_model, other_tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=96))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96)), target=tiny_model, drafter=other_tiny_model)
     with running_server(engine) as url:
         code = main(["bench", "serve", "--base-url", url, "--documents", str(documents_file), "--max-concurrency",
                      "1", *SMALL])

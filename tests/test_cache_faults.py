@@ -36,6 +36,7 @@ from tests import test_models
 from tests.test_models import fake_gguf  # noqa: F401  (a fixture)
 from tests.test_retrieval_embedding_store import CountingEmbedder, embedding_files, retriever
 from tests.test_retrieval_retriever import haystack, tiny_tokenizer
+from tests.specs import spec_of
 
 FAULTS = {"read-only": errno.EROFS, "full": errno.ENOSPC}
 
@@ -331,8 +332,7 @@ def test_a_llama_cpp_drafter_reads_its_file_as_it_is(kind, way, q4_1_file, tiny_
     before = files(folder)
     with caplog.at_level(logging.WARNING):
         assert fast_prefill_copy(q4_1_file, "Q8_0", 1) is None
-        engine = Rapid(tiny_model, str(q4_1_file), retrieval=RetrievalConfig(method="bm25", chunk_tokens=64),
-                       drafter_backend="llama.cpp")
+        engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64), drafter_backend="llama.cpp"), target=tiny_model, drafter=str(q4_1_file))
         out = engine.generate(haystack(10), "winter?", mode="rapid", eta=0.0, gamma=4, max_new_tokens=8)
     assert engine.drafter_label.endswith("Q4_1)") and out.token_ids and out.stats.drafted_tokens > 0
     assert files(folder) == before
@@ -419,7 +419,7 @@ def test_key_value_blocks_where_they_cannot_be_written(kind, way, tiny_model, tm
     document = " ".join(f"Dock {i}: the crane lifted {i * 13} crates before dusk." for i in range(40))
 
     def engine(folder: Path) -> Rapid:
-        return Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(folder / "kv"))
+        return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(folder / "kv")), target=tiny_model)
 
     def before(folder: Path) -> None:  # a first process writes the document's blocks while the folder takes them
         first = engine(folder)

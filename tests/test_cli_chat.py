@@ -15,6 +15,7 @@ from rapidspec.cli import main
 from rapidspec.cli.chat import ChatSession
 from rapidspec.outputs import StreamChunk
 from rapidspec.retrieval import RetrievalConfig
+from tests.specs import spec_of
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96)
 CONFIG = DecodeConfig(mode="rapid", max_new_tokens=8, ignore_eos=True)
@@ -36,7 +37,7 @@ def session(engine, lines, **options):
 
 
 def test_turns_commands_and_history_reuse(tiny_model, tmp_path):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model)
     saved = tmp_path / "chat.json"
     chat, out = session(engine, [LONG_TURN, "", "And then?", "/stats", f"/save {saved}", "/bogus", "/reset", "/stats"],
                         system="Be brief.")
@@ -54,7 +55,7 @@ def test_turns_commands_and_history_reuse(tiny_model, tmp_path):
 
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(tiny_model):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model)
 
     def interrupted(messages, **options):
         yield StreamChunk(text="partial")
@@ -69,7 +70,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(tiny_model):
 
 
 def test_ctrl_c_during_the_prefill_leaves_no_empty_turn(tiny_model):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model)
 
     def interrupted(messages, **options):
         raise KeyboardInterrupt
@@ -82,7 +83,7 @@ def test_ctrl_c_during_the_prefill_leaves_no_empty_turn(tiny_model):
 
 
 def test_documents_are_the_long_context(tiny_model):
-    engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)), target=tiny_model)
     chat, out = session(engine, ["What was planted?"], documents=[LONG_TURN * 3])
     chat.loop()
     assert "chunks retrieved" in out.getvalue()

@@ -18,6 +18,7 @@ from rapidspec.prompting.conversation import (
 )
 from rapidspec.errors import ContextLengthError, RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
+from tests.specs import spec_of
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
 FILLER = [f"Day {i}: we talked about the weather, the garden and tea number {i}." for i in range(30)]
@@ -199,7 +200,7 @@ def test_dropped_turns_go_in_steps_with_few_renders(byte_tokenizer, monkeypatch)
 
 
 def engine(model, drafter=None, **options) -> Rapid:
-    return Rapid(model, drafter, retrieval=RETRIEVAL, **options)
+    return Rapid(spec_of(retrieval=RETRIEVAL, **options), target=model, drafter=drafter)
 
 
 @pytest.mark.usefixtures("drafter_from_the_first_round")  # the drafter in every round, so it drafts here

@@ -20,6 +20,7 @@ from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.lean import LeanModel
 from tests.server_harness import HTTP, running_server
 from tests.static_costs import StaticCosts
+from tests.specs import spec_of
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
 DOCUMENT = " ".join(f"Fact {i}: the archive of room {i} opens at {i % 12 + 1} o'clock." for i in range(60))
@@ -51,7 +52,7 @@ def _busy(stop: threading.Event) -> None:
 
 def _engine(lean_target) -> Rapid:
     """A new engine: each case starts from the same engine state (no kept caches, no earlier answers)."""
-    engine = Rapid(lean_target, retrieval=RETRIEVAL, drafter_backend="torch")
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="torch"), target=lean_target)
     engine.costs = COSTS
     return engine
 

@@ -20,6 +20,7 @@ from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.lean import LeanModel
 from tests.server_harness import HTTP, running_server
 from tests.static_costs import StaticCosts
+from tests.specs import spec_of
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
 DOCUMENT = " ".join(f"Fact {i}: the archive of room {i} opens at {i % 12 + 1} o'clock." for i in range(60))
@@ -33,7 +34,7 @@ COSTS = StaticCosts(TargetCosts(0.1, 0.002), DrafterCosts(0.02, 0.1 / 50))
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     lean = dataclasses.replace(tiny_model, lean=LeanModel(tiny_model.model))
-    engine = Rapid(lean, retrieval=RETRIEVAL, drafter_backend="torch")
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="torch"), target=lean)
     engine.costs = COSTS
     return engine
 

@@ -1,6 +1,9 @@
-"""The README's headline results are copied from kept outputs: every figure with a decimal point in a row's result
-(tokens/s, seconds, accuracies) must appear, as written, in one of the outputs that row links (files under docs/
-that are not pages). Ratios (``1.92x``) and counts are derived or settings and are not checked."""
+"""The README's figures are copied from kept outputs: every measured figure in a paragraph or table row (decimals
+such as tokens/s and accuracies, durations such as ``393 s``, ``218 ms`` or ``4 min 7 s``, test counts) must be
+found in one of the outputs that paragraph or row links (files under docs/ that are not pages). Durations may be
+rounded from the output's (``0.987`` -> ``0.99 s``, ``0:04:07`` or ``247.22s`` -> ``4 min 7 s``); decimals are
+found as written. Ratios (``1.92x``), model sizes (``0.5B``) and bracketed intervals are derived or names and are
+not checked; the settings table ("Modes and knobs") holds defaults, not measurements."""
 
 from __future__ import annotations
 
@@ -8,38 +11,88 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FIGURE = re.compile(r"(?<![\w.+\-\[])(\d+\.\d+)(?![\dx.])")
+DURATION = re.compile(r"(?<![\w.,])(?:(\d+) min(?: (\d+) s)?|(\d+(?:\.\d+)?) (ms|s))(?!\w)")
+FIGURE = re.compile(r"(?<![\w.+\-\[])(\d+\.\d+)(?![\dxB.]| m?s\b)")
+COUNT = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+) tests")
 LINK = re.compile(r"\]\((docs/[^)#\s]+)")
+NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)")
+CLOCK = re.compile(r"(?<![\d:])(?:(\d+):)?(\d{1,2}):(\d\d)(?![\d:])")  # 0:04:07, 15:55
+MINUTES = re.compile(r"(\d+)m(\d+(?:\.\d+)?)s|(\d+) min (\d+) s")  # `time`'s 19m19.980s, a set-up's 2 min 15 s
 
 
-def headline_rows(readme: str) -> list[list[str]]:
-    """The cells of the "Headline results" table's rows (what, result, date, page and outputs)."""
-    section = readme.split("## Headline results", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| what")]
-    return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows if not set(row) <= set("|- ")]
+def blocks(text: str) -> list[str]:
+    """The paragraphs and table rows of a page, without code blocks and the settings table."""
+    out, current, fenced, section = [], [], False, ""
+    for line in [*text.splitlines(), ""]:
+        section = line if line.startswith("## ") else section
+        fenced = fenced != line.startswith("```")
+        if fenced or line.startswith("```") or "Modes and knobs" in section or line.startswith("|") or not line.strip():
+            if current:
+                out.append(" ".join(current))
+                current = []
+            if line.startswith("|") and not fenced and "Modes and knobs" not in section:
+                out.append(line)
+            continue
+        current.append(line)
+    return out
 
 
-def missing_figures(row: list[str]) -> tuple[list[str], list[str]]:
-    """(the row's linked outputs, the figures of its result found in none of them)."""
-    outputs = [link for link in LINK.findall(" ".join(row)) if not link.endswith(".md")]
+def seconds_in(text: str) -> tuple[set[float], set[float]]:
+    """(every duration in ``text`` in seconds, every number that may be milliseconds)."""
+    numbers = {float(n) for n in NUMBER.findall(text)}
+    seconds = set(numbers)
+    for hours, minutes, secs in CLOCK.findall(text):
+        seconds.add(int(hours or 0) * 3600 + int(minutes) * 60 + int(secs))
+    for m, s, mins, secs in MINUTES.findall(text):
+        seconds.add(int(m) * 60 + float(s) if m else int(mins) * 60 + int(secs))
+    return seconds, numbers | {n * 1000 for n in numbers}
+
+
+def found(duration: tuple[str, str, str, str], seconds: set[float], millis: set[float]) -> bool:
+    minutes, secs, value, unit = duration
+    if minutes:
+        want = int(minutes) * 60 + int(secs or 0)
+        return any(round(s) == want or int(s) == want for s in seconds) if secs else \
+            any(int(s) // 60 == int(minutes) for s in seconds)
+    digits = len(value.partition(".")[2])
+    return any(round(n, digits) == float(value) for n in (millis if unit == "ms" else seconds))
+
+
+def missing_figures(block: str) -> tuple[list[str], list[str]]:
+    """(the block's linked outputs, its figures found in none of them)."""
+    outputs = [link for link in LINK.findall(block) if not link.endswith(".md")]
     text = "\n".join((ROOT / link).read_text(encoding="utf-8", errors="replace") for link in outputs)
-    return outputs, [figure for figure in FIGURE.findall(row[1]) if figure not in text]
+    seconds, millis = seconds_in(text)
+    missing = [f for f in FIGURE.findall(block) if f not in text]
+    missing += [m.group(0) for m in DURATION.finditer(block) if not found(m.groups(), seconds, millis)]
+    missing += [f"{c} tests" for c in COUNT.findall(block) if c not in text and c.replace(",", "") not in text]
+    return outputs, missing
 
 
-def test_every_headline_figure_is_in_an_output_its_row_links():
-    rows = headline_rows((ROOT / "README.md").read_text(encoding="utf-8"))
-    assert len(rows) >= 8
+def test_every_readme_figure_is_in_an_output_its_paragraph_links():
+    measured = [b for b in blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+                if FIGURE.search(b) or DURATION.search(b) or COUNT.search(b)]
+    assert len(measured) >= 10
     problems = {}
-    for row in rows:
-        outputs, missing = missing_figures(row)
+    for block in measured:
+        outputs, missing = missing_figures(block)
         if not outputs or missing:
-            problems[row[0][:60]] = missing or "no output linked"
+            problems[block[:60]] = missing or "no output linked"
     assert problems == {}
 
 
-def test_a_figure_its_outputs_do_not_hold_is_found(tmp_path):
-    row = ["what", "decode 20.50 tokens/s, rapid 99.99 (1.92x), accuracy 0.536 [+0.008, +0.067]", "2026-11-28",
-           "[output](docs/bench_lookup_8k_2026-11-28.txt)"]
+def test_a_figure_its_outputs_do_not_hold_is_found():
+    row = ("| what | decode 20.50 tokens/s, rapid 99.99 (1.92x), accuracy 0.536 [+0.008, +0.067], a 0.5B model | "
+           "2026-11-28 | [output](docs/bench_lookup_8k_2026-11-28.txt) |")
     outputs, missing = missing_figures(row)
     assert outputs == ["docs/bench_lookup_8k_2026-11-28.txt"] and "99.99" in missing and "20.50" not in missing
-    assert "1.92" not in missing and "0.008" not in missing  # ratios and bracketed intervals are not figures here
+    assert not {"1.92", "0.008", "0.5"} & set(missing)  # ratios, bracketed intervals and model sizes
+
+
+def test_durations_and_counts_are_read_as_the_outputs_write_them(tmp_path):
+    output = ROOT / "docs" / "test_suite_clean_clone_2026-11-29f.txt"  # "1753 passed ... in 955.97s (0:15:55)"
+    link = f"[output]({output.relative_to(ROOT)})"
+    assert missing_figures(f"pytest 15 min 55 s for 1,753 tests, {link}") == ([str(output.relative_to(ROOT))], [])
+    _, missing = missing_figures(f"pytest 15 min 54 s for 1,754 tests and 956.5 s, {link}")
+    assert missing == ["15 min 54 s", "956.5 s", "1,754 tests"]
+    assert missing_figures("the demo took 12.5 s")[1] == ["12.5 s"]  # no output linked: nothing holds it

@@ -33,6 +33,7 @@ from rapidspec.drafting.join import (
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime import new_kv_cache
 from tests.static_costs import StaticCosts
+from tests.specs import spec_of
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
 DOCUMENT = " ".join(f"Fact {i}: the archive of room {i} opens at {i % 12 + 1} o'clock." for i in range(60))
@@ -40,7 +41,7 @@ QUESTION = "When does room 7 open?"
 
 
 def engine(tiny_model, costs=None, **options) -> Rapid:
-    rapid = Rapid(tiny_model, retrieval=RETRIEVAL, drafter_backend="torch", **options)
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="torch", **options), target=tiny_model)
     rapid.costs = costs or StaticCosts()
     return rapid
 
@@ -143,7 +144,7 @@ def test_cost_book_measures_once_and_keeps_it_per_machine(tmp_path):
 def test_calibrate_measures_the_drafter_once_before_any_generation(tiny_model, other_tiny_model, tmp_path):
     from rapidspec.config import DecodeConfig
 
-    engine = Rapid(tiny_model, other_tiny_model, drafter_backend="torch", kv_cache_gib=0)
+    engine = Rapid(spec_of(drafter_backend="torch", kv_cache_gib=0), target=tiny_model, drafter=other_tiny_model)
     engine.costs = CostBook(tmp_path / "costs.json")
     engine.calibrate(DecodeConfig(mode="lc"))  # no drafter in lc: nothing measured
     assert not (tmp_path / "costs.json").exists()
@@ -199,8 +200,7 @@ def test_a_drafter_prefilled_beside_the_target_joins_under_the_cost_schedule(tin
 
     if not llama_cpp_available():
         pytest.skip("llama-cpp-python is not installed")
-    rapid = Rapid(tiny_model, str(write_tiny_gguf(tiny_model, tmp_path / "self.gguf")), retrieval=RETRIEVAL,
-                  drafter_backend="llama.cpp", drafter_prefill="beside")
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_prefill="beside"), target=tiny_model, drafter=str(write_tiny_gguf(tiny_model, tmp_path / "self.gguf")))
     rapid.costs = StaticCosts()
     lc = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=32, ignore_eos=True)
     out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, max_new_tokens=32, ignore_eos=True,
@@ -288,8 +288,7 @@ def test_speculative_metrics_in_vllms_schema(tiny_model):
 
 def test_a_retrieval_that_refuses_the_request_leaves_the_answer_to_the_target(tiny_model):
     """The preparation runs after the first token: a budget below every chunk ends it, not the answer."""
-    rapid = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=1),
-                  drafter_backend="torch")
+    rapid = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=1), drafter_backend="torch"), target=tiny_model)
     rapid.costs = StaticCosts()
     lc = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=30, ignore_eos=True)
     out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=30, ignore_eos=True)

@@ -10,6 +10,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.drafting.gamma_schedule import PROBE_DRAFTS, PROBE_EVERY, CostSchedule, StepCosts
 from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
+from tests.specs import spec_of
 
 # the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
 pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
@@ -22,7 +23,7 @@ RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=300)
 
 
 def engine(target, drafter=None) -> Rapid:
-    return Rapid(target, drafter, retrieval=RETRIEVAL)
+    return Rapid(spec_of(retrieval=RETRIEVAL), target=target, drafter=drafter)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +179,7 @@ def test_vocabulary_mismatch_is_a_clear_error(tiny_model):
     other_tokenizer = build_byte_tokenizer()
     other_tokenizer.add_tokens(["<extra>"])
     with pytest.raises(RapidspecError, match="vocabulary"):
-        Rapid(tiny_model, make_tiny_model(2, other_tokenizer))
+        Rapid(target=tiny_model, drafter=make_tiny_model(2, other_tokenizer))
 
 
 def test_heuristic_gamma_schedule_grows_on_full_acceptance(tiny_model, lc_output):

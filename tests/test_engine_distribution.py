@@ -24,6 +24,7 @@ from rapidspec.models import LoadedModel
 from rapidspec.outputs import last_output
 from rapidspec.retrieval import RetrievalConfig
 from tests.test_engine import PlainSteps
+from tests.specs import spec_of
 
 # the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
 pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
@@ -131,7 +132,7 @@ def test_sampled_sequences_follow_the_target(markov_pair, mode, eta, confidence)
     correct engine each case fails with probability 1e-4.
     """
     target, drafter, states = markov_pair
-    rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)  # 3000 stored caches: slow
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=target, drafter=drafter)  # 3000 stored caches: slow
     generator = torch.Generator().manual_seed(11)
     n = 3000
     index = {s: i for i, s in enumerate(states)}
@@ -164,7 +165,7 @@ def test_cost_schedule_sampled_sequences_follow_the_target(markov_pair, mode, et
     produce. With a correct engine each case fails with probability 1e-4.
     """
     target, drafter, states = markov_pair
-    rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)  # 3000 stored caches: slow
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=target, drafter=drafter)  # 3000 stored caches: slow
     config = DecodeConfig(mode=mode, eta=eta, gamma=1, gamma_schedule="cost", temperature=1.0, max_new_tokens=5)
     prompts = rapid.document_prompts(DOCUMENT, QUESTION, config)
     generator = torch.Generator().manual_seed(12)
@@ -197,7 +198,7 @@ def test_plain_rounds_follow_the_target_even_when_eta_is_positive(markov_pair):
     enough here that a correct engine passes this with probability > 1 - 1e-6).
     """
     target, drafter, states = markov_pair
-    rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=target, drafter=drafter)
     config = DecodeConfig(mode="rapid", eta=3.0, gamma=1, temperature=1.0, max_new_tokens=3, gamma_schedule="constant")
     prompts = rapid.document_prompts(DOCUMENT, QUESTION, config)
     generator = torch.Generator().manual_seed(13)
@@ -236,7 +237,7 @@ def forced(byte_tokenizer, target_next: dict[str, str], draft_next: dict[str, st
 def test_forced_all_accepted_gives_the_bonus_token(byte_tokenizer):
     chain = {"a": "b", "b": "c", "c": "d", "d": "e", "e": "f", "f": "g", "g": "h"}
     target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
-    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+    out = Rapid(spec_of(retrieval=RETRIEVAL), target=target, drafter=drafter).generate(
         DOCUMENT, QUESTION, mode="ragsd", gamma=3, max_new_tokens=8, gamma_schedule="constant"
     )
     assert out.text == "abcdefgh"
@@ -250,7 +251,7 @@ def test_forced_draft_confidence_ends_the_round_after_an_unsure_draft(byte_token
     target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
     b, y = byte_tokenizer.convert_tokens_to_ids(["b", "y"])
     drafter.model.table[b, y] = -0.01
-    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+    out = Rapid(spec_of(retrieval=RETRIEVAL), target=target, drafter=drafter).generate(
         DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=8, draft_confidence=0.6, gamma_schedule="constant"
     )
     assert out.text == "abcdefgh"
@@ -264,7 +265,7 @@ def test_forced_first_rejected_emits_the_target_token(byte_tokenizer):
     target_chain = {"a": "b", "b": "c", "c": "d", "d": "e", "e": "f", "f": "g"}
     draft_chain = {"a": "x", "x": "y", "y": "z", "z": "x", "b": "x", "c": "x", "d": "x", "e": "x", "f": "x"}
     target, drafter = forced(byte_tokenizer, target_chain, draft_chain, "a", "q")
-    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+    out = Rapid(spec_of(retrieval=RETRIEVAL), target=target, drafter=drafter).generate(
         DOCUMENT, QUESTION, mode="ragsd", gamma=3, max_new_tokens=6, gamma_schedule="constant"
     )
     assert out.text == "abcdef"
@@ -275,7 +276,7 @@ def test_forced_first_rejected_emits_the_target_token(byte_tokenizer):
 def test_forced_eos_inside_a_draft_stops(byte_tokenizer):
     chain = {"a": "b", "b": "EOS"}
     target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
-    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+    out = Rapid(spec_of(retrieval=RETRIEVAL), target=target, drafter=drafter).generate(
         DOCUMENT, QUESTION, mode="ragsd", gamma=5, max_new_tokens=20, gamma_schedule="constant"
     )
     assert out.text == "ab"
@@ -289,7 +290,7 @@ def test_forced_eos_inside_a_draft_stops(byte_tokenizer):
 def test_ignore_eos_generates_past_eos_up_to_the_limit(byte_tokenizer, mode):
     chain = {"a": "b", "b": "EOS"}  # after EOS the tables go back to "a"
     target, drafter = forced(byte_tokenizer, chain, chain, "a", "a")
-    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+    out = Rapid(spec_of(retrieval=RETRIEVAL), target=target, drafter=drafter).generate(
         DOCUMENT, QUESTION, mode=mode, gamma=4, max_new_tokens=9, ignore_eos=True, gamma_schedule="constant"
     )
     eos = byte_tokenizer.eos_token_id
@@ -310,7 +311,7 @@ def test_greedy_bonus_token_uses_the_drafter_at_the_bonus_position(byte_tokenize
     target, drafter = forced(byte_tokenizer, {"a": "b", "b": "c"}, {"a": "b", "b": "y"}, "a", "a")
     b, y = byte_tokenizer.convert_tokens_to_ids(["b", "y"])
     target.model.table[b, y] = -0.1
-    out = Rapid(target, drafter, retrieval=RETRIEVAL).generate(
+    out = Rapid(spec_of(retrieval=RETRIEVAL), target=target, drafter=drafter).generate(
         DOCUMENT, QUESTION, mode=mode, gamma=2, max_new_tokens=3, gamma_schedule="constant"
     )
     assert out.text == expected
@@ -346,7 +347,7 @@ def test_sampled_sequences_under_a_grammar_follow_the_constrained_target(markov_
     chi-square over the 64 outcomes (those the grammar forbids expected 0, so any one fails the test). With a correct
     engine each case fails with probability 1e-4."""
     target, drafter, states = markov_pair
-    rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=target, drafter=drafter)
     generator = torch.Generator().manual_seed(13)
     n = 3000
     index = {s: i for i, s in enumerate(states)}

@@ -16,6 +16,7 @@ from rapidspec.runtime import new_kv_cache
 from rapidspec.runtime.errors import PrefillStopped
 from rapidspec.verification.logprobs import output_logprobs
 from rapidspec.verification.sampling import SamplingParams
+from tests.specs import spec_of
 
 # the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
 pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
@@ -26,7 +27,7 @@ RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=300)
 
 
 def engine(target, drafter=None, **options) -> Rapid:
-    return Rapid(target, drafter, retrieval=RETRIEVAL, **options)
+    return Rapid(spec_of(retrieval=RETRIEVAL, **options), target=target, drafter=drafter)
 
 
 def test_max_model_len_is_the_window_a_generation_may_use(tiny_model):

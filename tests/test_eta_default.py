@@ -12,6 +12,7 @@ from rapidspec.drafting.eta_default import DEFAULT_ETA, EtaWarnings, drafter_rel
 from rapidspec.engine import resolve
 from rapidspec.models import low_bit_copy
 from tests.conftest import make_tiny_model
+from tests.specs import spec_of
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_resolve_fills_the_default_and_keeps_a_given_eta(caplog):
 
 def test_generation_says_which_eta_and_why(tiny_model, small_and_large):
     small, _ = small_and_large
-    engine = Rapid(tiny_model, small, drafter_backend="torch")
+    engine = Rapid(spec_of(drafter_backend="torch"), target=tiny_model, drafter=small)
     assert engine.drafter_relation == "smaller"
     out = engine.generate("The cat sat on the mat. " * 20, "Where did the cat sit?", mode="rapid", max_new_tokens=4)
     assert out.stats.eta == DEFAULT_ETA["smaller"]
@@ -92,8 +93,7 @@ def test_bench_labels_the_eta_its_engine_ran(tiny_model, small_and_large):
     from rapidspec.bench import speed
     from rapidspec.retrieval import RetrievalConfig
 
-    engine = Rapid(tiny_model, small_and_large[1], drafter_backend="torch", reuse_document_cache=False,
-                   retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128))
+    engine = Rapid(spec_of(drafter_backend="torch", reuse_document_cache=False, retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)), target=tiny_model, drafter=small_and_large[1])
     assert engine.drafter_relation == "larger" and DEFAULT_ETA["larger"] != DEFAULT_ETA["self"]
     report = speed.run_benchmark(engine, [speed.BenchItem("The cat sat on the mat. " * 20, "Where did the cat sit?")],
                                  ("lc", "rapid"), DecodeConfig(max_new_tokens=3), repeats=1, warmup=False)

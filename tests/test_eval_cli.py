@@ -55,13 +55,13 @@ def test_eval_builds_its_engine_from_every_drafter_option(tiny_cli, tmp_path, mo
     """The drafter options reach eval's engine (they were accepted and dropped before)."""
     from rapidspec.engine import Rapid
 
-    built, from_spec = [], Rapid.from_spec.__func__
+    built, init = [], Rapid.__init__
 
-    def spy(cls, spec, loaded=None):
-        built.append(from_spec(cls, spec, loaded))
-        return built[-1]
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
 
-    monkeypatch.setattr(Rapid, "from_spec", classmethod(spy))
+    monkeypatch.setattr(Rapid, "__init__", spy)
     data = write_longbench2(tmp_path / "lb.json", n=1)
     assert main(["eval", "--data", str(data), "--modes", "rapid", "--max-new-tokens", "2", "--drafter-threads", "1",
                  "--drafter-prefill", "after", "--drafter-gguf", "as-is", "--json-only", *SMALL_RETRIEVAL]) == 0

@@ -21,12 +21,13 @@ import jsonschema
 import pytest
 import torch
 
-from rapidspec import Rapid
+from rapidspec import ModelSpec, Rapid
 from rapidspec.drafting.factory import DrafterFactory
 from rapidspec.grammar import Grammar, GrammarTokens
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.lean import LeanModel
 from tests.server_harness import HTTP, running_server
+from tests.specs import spec_of
 
 THREADS = 16
 JOIN_S = 60
@@ -55,7 +56,7 @@ def test_a_drafter_loaded_by_name_and_its_pool_are_made_once(tiny_model, tiny_mo
         return real(*args, **kwargs)
 
     monkeypatch.setattr(models, "load_model", counted)
-    factory = DrafterFactory(tiny_model, str(tiny_model_dir), backend="torch")  # loads to size its vocabulary
+    factory = DrafterFactory(tiny_model, str(tiny_model_dir), ModelSpec(drafter_backend="torch"))  # loads to size its vocabulary
     factory._pools.clear()  # back to a drafter given by name, nothing made
     factory._source, factory._relation = str(tiny_model_dir), None
     loads.clear()
@@ -101,8 +102,8 @@ def schema(i: int) -> dict:
 def server(tiny_model, tiny_model_dir):
     """A fresh engine: its target on the lean forward (rope tables grown on demand), its drafter given by name."""
     target = dataclasses.replace(tiny_model, lean=LeanModel(tiny_model.model))
-    engine = Rapid(target, str(tiny_model_dir), retrieval=RetrievalConfig(method="bm25", chunk_tokens=64,
-                                                                              budget_tokens=128))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64,
+                                                                              budget_tokens=128)), target=target, drafter=str(tiny_model_dir))
     with running_server(engine, max_num_seqs=4, max_queue=THREADS) as url:
         yield url
 

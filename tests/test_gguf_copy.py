@@ -16,6 +16,7 @@ from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.gguf_copy import copy_path, copy_type, model_name, weight_type, weights_label
 from rapidspec.runtime.llama_cpp import llama_cpp_available
 from tests.tiny_gguf import write_tiny_gguf
+from tests.specs import spec_of
 
 # the drafter in every round (drafter_start="first"; the default join: test_drafter_join.py)
 pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
@@ -62,28 +63,28 @@ def test_a_drafter_is_named_by_its_file_without_the_weight_type(file, name):
 
 def test_a_q4_1_drafter_reads_its_q8_0_copy_made_once(tiny_model, q4_1_file, tmp_path, monkeypatch):
     monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path))
-    engine = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp"), target=tiny_model, drafter=str(q4_1_file))
     assert engine.drafter_label.endswith("(llama.cpp, tiny, Q8_0 copy of Q4_1)")
     copy = copy_path(q4_1_file, "Q8_0")
     assert copy.is_file() and copy.parent.parent == tmp_path
     written = copy.stat().st_mtime_ns
-    lc = Rapid(tiny_model, retrieval=RETRIEVAL).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24)
+    lc = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24)
     out = engine.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, gamma=4, max_new_tokens=24)
     assert out.token_ids == lc.token_ids and out.stats.drafted_tokens > 0  # greedy, eta = 0: the target's answer
 
-    again = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
+    again = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp"), target=tiny_model, drafter=str(q4_1_file))
     assert "Q8_0" in again.drafter_label and copy.stat().st_mtime_ns == written  # found, not written again
     assert [p.name for p in copy.parent.iterdir()] == [copy.name]  # no partial file left
 
     os.utime(q4_1_file, ns=(written, written + 10**9))  # the same file installed again: another modification time
-    Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
+    Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp"), target=tiny_model, drafter=str(q4_1_file))
     newer = copy_path(q4_1_file, "Q8_0")
     assert newer != copy and [p.name for p in copy.parent.iterdir()] == [newer.name]  # one copy per file name
 
 
 def test_as_is_reads_the_file_itself(tiny_model, q4_1_file, tmp_path, monkeypatch):
     monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path))
-    engine = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="as-is")
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="as-is"), target=tiny_model, drafter=str(q4_1_file))
     assert engine.drafter_label.endswith("(llama.cpp, tiny, Q4_1)")
     assert not (tmp_path / "gguf-copies").exists()
 
@@ -92,7 +93,7 @@ def test_a_bad_choice_is_a_clear_error(tiny_model, q4_1_file):
     with pytest.raises(RapidspecError, match="drafter_gguf must be one of auto, as-is"):
         ModelSpec(drafter_gguf="q8")
     with pytest.raises(RapidspecError, match="drafter_gguf must be one of"):
-        Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="q8")
+        Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="q8"), target=tiny_model, drafter=str(q4_1_file))
 
 
 def test_a_cache_that_cannot_be_written_reads_the_file_as_it_is(tiny_model, q4_1_file, tmp_path, monkeypatch, caplog):
@@ -100,7 +101,7 @@ def test_a_cache_that_cannot_be_written_reads_the_file_as_it_is(tiny_model, q4_1
     blocked.write_text("")
     monkeypatch.setenv("RAPIDSPEC_CACHE", str(blocked))
     with caplog.at_level("WARNING", logger="rapidspec.drafting.backends"):
-        engine = Rapid(tiny_model, str(q4_1_file), retrieval=RETRIEVAL, drafter_backend="llama.cpp")
+        engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp"), target=tiny_model, drafter=str(q4_1_file))
     assert engine.drafter_label.endswith("Q4_1)")
     assert "no Q8_0 copy for fast prefill" in caplog.text
     out = engine.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, gamma=4, max_new_tokens=8)

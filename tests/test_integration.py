@@ -7,6 +7,7 @@ import pytest
 from rapidspec import Rapid, low_bit_copy
 from rapidspec.prompting.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
+from tests.specs import spec_of
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +19,7 @@ def builtin_fp32(smollm2):
 
 def test_greedy_rapid_eta_zero_reproduces_lc_exactly(builtin_fp32):
     item = demo_document(target_tokens=4000, tokenizer=builtin_fp32.tokenizer)
-    engine = Rapid(builtin_fp32, retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=builtin_fp32)
     lc = engine.generate(item.document, item.question, mode="lc", max_new_tokens=48)
     rapid = engine.generate(item.document, item.question, mode="rapid", eta=0.0, gamma=6, max_new_tokens=48)
     assert lc.stats.prompt_tokens_target > 3500
@@ -32,7 +33,7 @@ def test_greedy_rapid_eta_zero_reproduces_lc_exactly(builtin_fp32):
 def test_low_bit_self_drafter_keeps_greedy_equality_and_accepts(builtin_fp32, method):
     """The int8 / int4 kernel paths on real weights: exactness holds and drafts stay useful."""
     item = demo_document(target_tokens=4000, tokenizer=builtin_fp32.tokenizer)
-    engine = Rapid(builtin_fp32, low_bit_copy(builtin_fp32, method, name="self"), retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=builtin_fp32, drafter=low_bit_copy(builtin_fp32, method, name="self"))
     lc = engine.generate(item.document, item.question, mode="lc", max_new_tokens=32)
     ragsd = engine.generate(item.document, item.question, mode="ragsd", gamma=6, max_new_tokens=32,
                             drafter_start="first")  # the drafter in every round: its kernels run

@@ -30,6 +30,7 @@ from rapidspec.runtime.kv_store import for_model, list_files
 from rapidspec.runtime.lean import LeanModel
 from rapidspec.runtime.lean_cache import LeanKVCache
 from tests.conftest import make_tiny_model
+from tests.specs import spec_of
 
 TOKENS = [int(t) for t in torch.randint(0, 200, (1100,), generator=torch.Generator().manual_seed(0))]  # 4 blocks + 76
 
@@ -230,7 +231,7 @@ def test_a_folder_that_cannot_take_blocks_keeps_serving_from_memory(tiny_model, 
 
         monkeypatch.setattr(kv_blocks, "save", full)
     store = for_model(tiny_model, 1 << 30, root)
-    engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(root))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(root)), target=tiny_model)
     engine._disk = store
     document = "The lighthouse keeper counted the boats of the bay. " * 40
     with caplog.at_level(logging.WARNING):
@@ -270,24 +271,24 @@ def test_the_least_recently_used_blocks_go_first_when_over_the_bound(tiny_model,
 def test_a_second_engine_answers_from_the_blocks_the_first_wrote(tiny_model, tmp_path):
     document = " ".join(f"Line {i}: the keeper logged {i * 3} gulls." for i in range(60))
     question = "How many gulls on line 17?"
-    first = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(tmp_path))
+    first = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(tmp_path)), target=tiny_model)
     one = first.generate(document, question, mode="rapid", max_new_tokens=24, temperature=0.0)
     first.disk_store.flush()
     assert one.stats.target_prefill_disk_tokens == 0 and list_files(tmp_path)
-    second = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(tmp_path))
+    second = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(tmp_path)), target=tiny_model)
     two = second.generate(document, question, mode="rapid", max_new_tokens=24, temperature=0.0)
     prompt = two.stats.prompt_tokens_target
     assert two.stats.target_prefill_disk_tokens == prompt - 1  # the whole prompt but its last token (the first step)
     assert two.stats.target_prefill_reused_tokens == two.stats.target_prefill_disk_tokens
     assert two.token_ids == one.token_ids and two.text == one.text
-    off = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0, kv_cache_dir=str(tmp_path))
+    off = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0, kv_cache_dir=str(tmp_path)), target=tiny_model)
     assert off.disk_store is None
     assert off.generate(document, question, mode="lc", max_new_tokens=4).stats.target_prefill_disk_tokens == 0
 
 
 def test_bad_settings_are_refused_in_one_line(tiny_model):
-    with pytest.raises(RapidspecError, match="kv_cache_gib must be >= 0"):
-        Rapid(tiny_model, kv_cache_gib=-1)
+    with pytest.raises(RapidspecError, match="kv_cache_gib must be a number >= 0"):
+        Rapid(spec_of(kv_cache_gib=-1), target=tiny_model)
     with pytest.raises(RapidspecError, match="kv_cache_gib must be a number >= 0"):
         EngineSpec(kv_cache_gib=float("nan"))
     with pytest.raises(RapidspecError, match="kv_cache_dir must be a folder's path"):

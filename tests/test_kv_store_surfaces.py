@@ -9,6 +9,7 @@ from rapidspec import Rapid
 from rapidspec.cli import main
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import HTTP, running_server
+from tests.specs import spec_of
 
 DOCUMENT = " ".join(f"Entry {i}: the harbour master counted {i * 7} sails before noon." for i in range(40))
 
@@ -69,7 +70,7 @@ def ask(url: str) -> dict:
 def test_a_restarted_server_answers_from_the_blocks_the_first_one_wrote(tiny_model, tmp_path):
     answers, metrics = [], []
     for _ in range(2):  # two servers one after the other, each with a new engine: a restart
-        engine = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(tmp_path))
+        engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(tmp_path)), target=tiny_model)
         with running_server(engine) as url:
             answers.append(ask(url))
             engine.disk_store.flush()

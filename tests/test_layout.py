@@ -86,11 +86,23 @@ def test_root_modules_import_downward_only():
     assert not offences, offences
 
 
-def test_every_surface_builds_its_engine_from_a_spec():
-    """``Rapid.from_spec`` is the one way the package builds an engine: nothing calls the constructor itself."""
-    callers = [str(p.relative_to(PACKAGE)) for p in files()
-               if p.parent.name != "engine" and "Rapid(" in p.read_text(encoding="utf-8")]
-    assert callers == []
+def test_one_constructor_builds_every_engine():
+    """``Rapid(spec, target=..., drafter=..., template=...)`` is the one way an engine is made, in the package,
+    the benchmarks and the tests: no other constructor, at most the spec positionally, models passed as what they
+    are (never a spec naming other models around them)."""
+    from rapidspec.engine import Rapid
+
+    assert not any(isinstance(v, (classmethod, staticmethod)) for v in vars(Rapid).values())
+    offences, calls = [], 0
+    for path in [*files(), *sorted((PACKAGE.parent / "benchmarks").glob("*.py")), *sorted((PACKAGE.parent / "tests").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Rapid":
+                calls += 1
+                if len(node.args) > 1 or any(k.arg not in ("target", "drafter", "template") for k in node.keywords):
+                    offences.append(f"{path.name}:{node.lineno}")
+            elif isinstance(node, ast.Attribute) and node.attr == "from_spec":
+                offences.append(f"{path.name}:{node.lineno} from_spec")
+    assert calls > 100 and not offences, offences
 
 
 def test_only_the_command_line_imports_the_command_line():
@@ -151,15 +163,32 @@ def test_the_spec_and_every_option_list_import_no_torch():
 
 def test_the_runtime_keeps_the_options_of_rapidspec_config():
     """The runtime imports nothing above it, so it keeps its own copies: the chunk of a cache made without an
-    engine, and the quantizations it loads."""
+    engine, and the quantizations it loads; every dtype name a user may give resolves."""
     from rapidspec import config
     from rapidspec.models import devices
     from rapidspec.runtime import cache, quantization
 
-    assert config.DTYPE_NAMES == ("auto", *devices._DTYPES)  # every name a user may give resolves to a dtype
+    assert config.DTYPE_NAMES == ("auto", *devices._DTYPES)
     assert cache.PREFILL_CHUNK_TOKENS == config.DEFAULT_PREFILL_CHUNK_TOKENS
     for name in ("QUANTIZATIONS", "TARGET_QUANTIZATIONS", "ROUNDED_QUANTIZATIONS"):
         assert getattr(quantization, name) == getattr(config, name), name
+
+
+def test_each_option_list_and_default_is_written_once():
+    """User-facing enumerations and defaults live in rapidspec.config; no other module assigns them again but the
+    runtime, which stands alone and keeps copies (checked equal above)."""
+    names = {"QUANTIZATIONS", "TARGET_QUANTIZATIONS", "ROUNDED_QUANTIZATIONS", "DRAFTER_BACKENDS", "DRAFTER_PREFILLS",
+             "DRAFTER_GGUF_CHOICES", "RUNTIMES", "DTYPE_NAMES", "MODES"}
+    offences = []
+    for path in files():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id in names and path.name != "config.py" \
+                        and path.parent.name != "runtime":
+                    offences.append(f"{path.relative_to(PACKAGE)}: {target.id}")
+    numbers = [p.relative_to(PACKAGE) for p in files() if "= 2048\n" in p.read_text(encoding="utf-8")]
+    assert not offences and [str(p) for p in numbers] == ["config.py", "runtime/cache.py"], (offences, numbers)
 
 
 def test_evaluation_holds_no_http_or_ray_code():

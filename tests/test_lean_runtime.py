@@ -25,6 +25,7 @@ from rapidspec.runtime.lean_cache import LeanKVCache
 from rapidspec.runtime.protocol import KVCacheProtocol
 from tests.conftest import make_tiny_model
 from tests.test_engine_distribution import augmented_numpy
+from tests.specs import spec_of
 
 # the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
 pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
@@ -174,8 +175,8 @@ def test_quantised_drafter_runs_its_kernels_on_the_lean_path(byte_tokenizer, met
 def test_greedy_lean_equals_transformers_lc_token_for_token(tiny, byte_tokenizer, mode):
     """Invariant 1 on the lean path: eta = 0 greedy equals the target's own greedy output (fp32)."""
     drafter = with_lean(make_tiny_model(1, byte_tokenizer))
-    reference = Rapid(tiny, retrieval=RETRIEVAL).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24, ignore_eos=True)
-    lean = Rapid(with_lean(tiny), None if mode == "lc" else drafter, retrieval=RETRIEVAL)
+    reference = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24, ignore_eos=True)
+    lean = Rapid(spec_of(retrieval=RETRIEVAL), target=with_lean(tiny), drafter=None if mode == "lc" else drafter)
     output = lean.generate(DOCUMENT, QUESTION, mode=mode, max_new_tokens=24, ignore_eos=True, gamma=3)
     assert output.token_ids == reference.token_ids
 
@@ -183,8 +184,8 @@ def test_greedy_lean_equals_transformers_lc_token_for_token(tiny, byte_tokenizer
 def test_rapid_on_the_lean_path_equals_rapid_on_transformers(tiny, byte_tokenizer):
     drafter = make_tiny_model(1, byte_tokenizer)
     options = dict(mode="rapid", eta=3.0, max_new_tokens=24, ignore_eos=True, gamma=4)
-    reference = Rapid(tiny, drafter, retrieval=RETRIEVAL).generate(DOCUMENT, QUESTION, **options)
-    lean = Rapid(with_lean(tiny), with_lean(drafter), retrieval=RETRIEVAL).generate(DOCUMENT, QUESTION, **options)
+    reference = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny, drafter=drafter).generate(DOCUMENT, QUESTION, **options)
+    lean = Rapid(spec_of(retrieval=RETRIEVAL), target=with_lean(tiny), drafter=with_lean(drafter)).generate(DOCUMENT, QUESTION, **options)
     assert lean.token_ids == reference.token_ids
 
 
@@ -195,7 +196,7 @@ def test_sampled_tokens_on_the_lean_path_follow_the_target(byte_tokenizer, eta):
     forwards of both prompts. 400 answers, chi-square over the 4 joint outcomes of each first
     token's candidates; with a correct engine this fails with probability 1e-4."""
     target, drafter = with_lean(make_tiny_model(6, byte_tokenizer)), with_lean(make_tiny_model(7, byte_tokenizer))
-    engine = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=target, drafter=drafter)
     mode = "rapid" if eta else "ragsd"
     options = dict(mode=mode, eta=eta, temperature=1.0, top_k=2, max_new_tokens=2, ignore_eos=True, gamma=2,
                    drafter_start="first", gamma_schedule="constant")
@@ -268,10 +269,10 @@ def test_builtin_model_lean_greedy_equals_transformers_on_a_real_document(real_m
     reference = real_model(runtime="transformers")  # stock weights and forward
     assert lean.runtime == "lean"
     options = dict(mode="lc", max_new_tokens=32, ignore_eos=True)
-    expected = Rapid(reference).generate(document, question, **options)
-    got = Rapid(lean).generate(document, question, **options)
+    expected = Rapid(target=reference).generate(document, question, **options)
+    got = Rapid(target=lean).generate(document, question, **options)
     assert got.token_ids == expected.token_ids
-    drafted = Rapid(lean, low_bit_copy(lean, "int8")).generate(document, question, **{**options, "mode": "ragsd"})
+    drafted = Rapid(target=lean, drafter=low_bit_copy(lean, "int8")).generate(document, question, **{**options, "mode": "ragsd"})
     assert drafted.token_ids == expected.token_ids
 
 
@@ -290,7 +291,7 @@ def test_builtin_model_at_its_files_precision_drafts_and_verifies(real_model):
     item = demo_document(3000)
     lean = real_model(quantize="gguf")
     assert lean.quantization == "gguf" and lean.runtime == "lean"
-    engine = Rapid(lean, drafter_backend="torch")
+    engine = Rapid(spec_of(drafter_backend="torch"), target=lean)
     for mode in ("ragsd", "rapid"):
         out = engine.generate(item.document, item.question, mode=mode, eta=0.0, drafter_start="first",
                               max_new_tokens=32, ignore_eos=True)

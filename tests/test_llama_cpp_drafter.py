@@ -23,6 +23,7 @@ from rapidspec.runtime.cache import common_prefix_length
 from rapidspec.runtime.lean import LeanModel
 from rapidspec.runtime.llama_cpp import KEPT_IDLE_CONTEXTS, LlamaCppModel, llama_cpp_available
 from tests.tiny_gguf import write_tiny_gguf
+from tests.specs import spec_of
 
 # the rounds' math from the first round (drafter_start="first"; the default join: test_drafter_join.py)
 pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
@@ -43,7 +44,7 @@ def ggufs(tiny_model, other_tiny_model, tmp_path_factory):
 
 
 def llama_engine(target, gguf: str, **options) -> Rapid:
-    return Rapid(target, gguf, retrieval=RETRIEVAL, drafter_backend="llama.cpp", **options)
+    return Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", **options), target=target, drafter=gguf)
 
 
 def test_the_drafter_runs_on_llama_cpp(tiny_model, ggufs):
@@ -58,7 +59,7 @@ def test_the_drafter_runs_on_llama_cpp(tiny_model, ggufs):
 @pytest.mark.parametrize("drafter_kind", ["self", "random"])
 def test_greedy_eta_zero_equals_lc(tiny_model, ggufs, mode, drafter_kind):
     """Invariant 1 with q from llama.cpp: eta = 0 greedy reproduces target-only greedy."""
-    lc = Rapid(tiny_model, retrieval=RETRIEVAL).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
+    lc = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
     out = llama_engine(tiny_model, ggufs[drafter_kind]).generate(
         DOCUMENT, QUESTION, mode=mode, eta=0.0, gamma=4, max_new_tokens=40
     )
@@ -191,7 +192,7 @@ def test_auto_picks_llama_cpp_for_a_gguf_drafter_on_cpu(tiny_model, ggufs):
 def test_a_request_may_ask_for_the_other_backend(tiny_model, other_tiny_model, ggufs):
     """A drafter loaded by torch from a GGUF file: llama.cpp reads the same file; each request may pick."""
     drafter = replace(other_tiny_model, source=ggufs["random"])
-    engine = Rapid(tiny_model, drafter, retrieval=RETRIEVAL)  # auto
+    engine = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model, drafter=drafter)  # auto
     assert engine.drafter_backend == "llama.cpp"
     on_llama = engine.generate(DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=16)
     on_torch = engine.generate(DOCUMENT, QUESTION, mode="ragsd", gamma=4, max_new_tokens=16, drafter_backend="torch")
@@ -205,7 +206,7 @@ def test_bench_runs_the_llama_cpp_peer_and_lookup(tiny_model, ggufs):
     from rapidspec.bench import speed
 
     target = replace(tiny_model, source=ggufs["self"])  # the target "was read" from this GGUF file
-    engine = Rapid(target, retrieval=RETRIEVAL, reuse_document_cache=True)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=True), target=target)
     items = [speed.BenchItem(DOCUMENT, QUESTION)]
     config = DecodeConfig(max_new_tokens=12, ignore_eos=True)
     report = speed.run_benchmark(engine, items, ("lc", "rapid", "lookup", "llama.cpp"), config, repeats=2,
@@ -222,7 +223,7 @@ def test_bench_runs_the_llama_cpp_peer_and_lookup(tiny_model, ggufs):
 def test_the_peer_needs_a_gguf_target(tiny_model):
     from rapidspec.bench import speed
 
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL, reuse_document_cache=False)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=tiny_model)
     with pytest.raises(RapidspecError, match="runs the target's GGUF file"):
         speed.run_benchmark(engine, [speed.BenchItem(DOCUMENT, QUESTION)], ("lc", "llama.cpp"),
                             DecodeConfig(max_new_tokens=4), repeats=1)
@@ -242,7 +243,7 @@ def test_cli_refuses_llama_cpp_without_a_gguf_in_one_line(tiny_model_dir, tmp_pa
 def test_a_question_reuses_the_drafter_cache_of_an_earlier_one_not_only_the_last(tiny_model, ggufs):
     """Questions retrieving different chunks in turn: each comes back to the cache whose retrieved text it shares."""
     one_chunk = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=96)
-    engine = Rapid(tiny_model, ggufs["self"], retrieval=one_chunk, drafter_backend="llama.cpp")
+    engine = Rapid(spec_of(retrieval=one_chunk, drafter_backend="llama.cpp"), target=tiny_model, drafter=ggufs["self"])
     other = "What shade was the lighthouse of paragraph 3?"
     config = DecodeConfig(mode="rapid", eta=1.0, gamma=4, max_new_tokens=8, drafter_start="first")
     first = engine.generate(DOCUMENT, QUESTION, config=config)

@@ -14,6 +14,7 @@ from rapidspec.runtime.llama_cpp import LlamaCppModel, llama_cpp_available
 from rapidspec.runtime.kv_blocks import checksum
 from rapidspec.runtime.llama_state_store import FORMAT, for_llama_model
 from tests.tiny_gguf import write_tiny_gguf
+from tests.specs import spec_of
 
 pytestmark = pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed")
 
@@ -30,8 +31,8 @@ def gguf(tiny_model, tmp_path_factory):
 
 def engine(tiny_model, gguf, folder, **options) -> Rapid:
     """An engine as a new process would have it: its own pools, the disk its only memory of earlier answers."""
-    return Rapid(tiny_model, gguf, retrieval=RETRIEVAL, drafter_backend="llama.cpp", kv_cache_dir=str(folder),
-                 **options)
+    return Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", kv_cache_dir=str(folder), **options),
+                 target=tiny_model, drafter=gguf)
 
 
 def written(rapid: Rapid):

@@ -27,6 +27,7 @@ from rapidspec import Rapid
 from rapidspec.prompting.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import HTTP, running_server
+from tests.specs import spec_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 KEY = "page-test-key"
@@ -59,7 +60,7 @@ def item():
 
 @pytest.fixture(scope="module")
 def server(real_model):
-    engine = Rapid(real_model(dtype="auto"), retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=real_model(dtype="auto"))
     with running_server(engine, model_name="builtin", api_key=KEY) as url:
         yield url
 

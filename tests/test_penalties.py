@@ -16,6 +16,7 @@ from rapidspec.verification.penalties import Penalties, path_counts, penalise
 from tests.test_engine_distribution import DOCUMENT as MARKOV_DOCUMENT
 from tests.test_engine_distribution import DRAFT_ROWS, DRAFT_START, QUESTION as MARKOV_QUESTION, TARGET_ROWS, TARGET_START
 from tests.test_engine_distribution import augmented_numpy, markov_pair, sampled_answers  # noqa: F401  (a fixture)
+from tests.specs import spec_of
 
 pytestmark = pytest.mark.usefixtures("drafter_from_the_first_round")
 
@@ -73,7 +74,7 @@ def reference_greedy(model, prompt: list[int], steps: int, eos: set[int], freque
 
 
 def test_lc_follows_the_penalised_target(tiny_model):
-    engine = Rapid(tiny_model, retrieval=RETRIEVAL)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model)
     config = DecodeConfig(mode="lc", max_new_tokens=24, **PENALTIES)
     out = engine.generate(DOCUMENT, QUESTION, config=config)
     prompt = list(engine.document_prompts(DOCUMENT, QUESTION, config).target_ids)
@@ -92,7 +93,7 @@ def test_lc_follows_the_penalised_target(tiny_model):
 @pytest.mark.parametrize("mode", ["sd", "ragsd", "rapid", "magicdec", "lookup"])
 def test_greedy_drafting_at_eta_zero_equals_penalised_lc(tiny_model, other_tiny_model, drafter, mode):
     """Drafts are penalised along their path as the target's rows are, so at eta = 0 nothing changes the answer."""
-    engine = Rapid(tiny_model, other_tiny_model if drafter else None, retrieval=RETRIEVAL, drafter_backend="torch")
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="torch"), target=tiny_model, drafter=other_tiny_model if drafter else None)
     lc = engine.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=32, **PENALTIES)
     eta = {"eta": 0.0} if mode == "rapid" else {}
     out = engine.generate(DOCUMENT, QUESTION, mode=mode, max_new_tokens=32, gamma=4, gamma_schedule="constant",
@@ -133,7 +134,7 @@ def test_sampled_sequences_follow_the_penalised_target(markov_pair, mode, eta): 
     a time (acceptance, rejection and the bonus token all occur, with counts that change inside a round); chi-square
     over the 64 outcomes. With a correct engine each case fails with probability 1e-4."""
     target, drafter, states = markov_pair
-    rapid = Rapid(target, drafter, retrieval=RETRIEVAL, reuse_document_cache=False)
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=target, drafter=drafter)
     generator = torch.Generator().manual_seed(17)
     n = 3000
     index = {s: i for i, s in enumerate(states)}

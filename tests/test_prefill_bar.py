@@ -11,13 +11,14 @@ from rich.progress import Progress
 from rapidspec import Rapid
 from rapidspec.cli import prefill_bar as bars
 from rapidspec.retrieval import RetrievalConfig
+from tests.specs import spec_of
 
 DOCUMENT = "\n\n".join(f"Entry {i}: the harbour logged {i} ships." for i in range(120))
 
 
 def test_the_engine_reports_each_target_prefill_chunk(tiny_model):
     calls = []
-    rapid = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), prefill_chunk_tokens=512)
+    rapid = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), prefill_chunk_tokens=512), target=tiny_model)
     rapid.generate(DOCUMENT, "How many ships in entry 7?", mode="lc", max_new_tokens=2,
                    prefill_progress=lambda done, total: calls.append((done, total)))
     total = calls[0][1]

@@ -75,12 +75,12 @@ def test_inside_a_batched_step_a_limited_chunk_runs_whole_as_one_row(tiny):
 
 def test_the_engine_says_nothing_between_layers_and_answers_as_with_whole_chunks(tiny):
     lean = dataclasses.replace(tiny, lean=LeanModel(tiny.model))
-    engine = Rapid(lean)
+    engine = Rapid(target=lean)
     prompt = tuple(token_ids(200, seed=7, vocab=250)) + (10,)
     config = DecodeConfig(mode="lc", temperature=0.0, max_new_tokens=8, ignore_eos=True)
     plain = last_output(engine.decode(PromptPair(prompt, prompt), config))
     with torch.inference_mode():
-        chunks = list(Rapid(lean).decode(PromptPair(prompt, prompt), config, yield_prefill_chunks=True,
+        chunks = list(Rapid(target=lean).decode(PromptPair(prompt, prompt), config, yield_prefill_chunks=True,
                                          prefill_chunk_limit=lambda: 64))
     news = [c.prefill for c in chunks if c.prefill is not None]
     between = [c for c in chunks if c.prefill is None and not c.text and not c.token_ids and c.output is None]

@@ -12,13 +12,14 @@ from rapidspec import DecodeConfig, Rapid
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.runtime.errors import PrefillStopped
 from tests.server_harness import HTTP, running_server
+from tests.specs import spec_of
 
 DOCUMENT = " ".join(f"Row {i}: the ferry carried {i * 11} passengers across the bay." for i in range(40))
 LINE = re.compile(r"^: prefill (\d+)/(\d+) tokens(?:, (\d+) tokens/s, (\d+) s left)?$")
 
 
 def engine(model, **options) -> Rapid:
-    return Rapid(model, retrieval=RetrievalConfig(method="bm25"), prefill_chunk_tokens=64, **options)
+    return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), prefill_chunk_tokens=64, **options), target=model)
 
 
 def test_the_stream_says_how_far_the_prefill_got_and_clients_ignore_it(tiny_model):
@@ -92,7 +93,7 @@ def test_a_prefill_beside_other_requests_yields_every_shared_tokens(tiny_model):
             "documents": [DOCUMENT], "max_tokens": 2, "temperature": 0, "mode": "lc"}
     long_answer = {"model": "tiny", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 4000,
                    "ignore_eos": True, "mode": "lc", "stream": True}
-    rapid = Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25"), prefill_chunk_tokens=1024, kv_cache_gib=0)
+    rapid = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), prefill_chunk_tokens=1024, kv_cache_gib=0), target=tiny_model)
     for shared, steps_beside in ((32, {32}), (0, {1024})):
         with running_server(rapid, shared_prefill_tokens=shared, max_num_seqs=2) as url:
             alone = _progress(url, body | {"documents": [DOCUMENT.replace("ferry", f"barge {shared}")]})

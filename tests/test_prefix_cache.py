@@ -8,6 +8,7 @@ import torch
 from rapidspec.errors import RapidspecError
 from rapidspec.runtime.prefix_cache import PrefixCache
 from rapidspec.runtime.cache import KVCache
+from tests.specs import spec_of
 
 
 def filled(model, tokens) -> KVCache:
@@ -81,8 +82,8 @@ def test_negative_size_is_refused():
 def test_the_engine_refuses_a_negative_prefix_cache_in_one_line(tiny_model):
     from rapidspec import Rapid
 
-    with pytest.raises(RapidspecError, match="prefix_cache_gib must be >= 0"):
-        Rapid(tiny_model, prefix_cache_gib=-1)
+    with pytest.raises(RapidspecError, match="prefix_cache_gib must be a number >= 0"):
+        Rapid(spec_of(prefix_cache_gib=-1), target=tiny_model)
     from rapidspec.engine.spec import EngineSpec
 
     for bad in (-1, float("nan"), True, "2"):  # the spec every command builds: in the engine's part, not the models'

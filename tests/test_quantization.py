@@ -145,7 +145,7 @@ def test_labels_and_validation(tiny_model):
 
 
 def test_engine_reads_the_vocabulary_of_a_low_bit_head(tiny_model):
-    rapid = Rapid(tiny_model, low_bit_copy(tiny_model))
+    rapid = Rapid(target=tiny_model, drafter=low_bit_copy(tiny_model))
     assert rapid.vocab_size == tiny_model.model.config.vocab_size
 
 

@@ -15,6 +15,7 @@ from rapidspec import Rapid
 from rapidspec.drafting.eta_default import DEFAULT_ETA
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import HTTP, SlowEngine, metric, running_server, wait_until
+from tests.specs import spec_of
 
 RETRIEVAL = RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)
 NOTES = [f"Day {i}: the garden had {i} tulips and the kettle was blue." for i in range(40)]
@@ -25,7 +26,7 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, other_tiny_model):
-    return Rapid(tiny_model, other_tiny_model, retrieval=RETRIEVAL)
+    return Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model, drafter=other_tiny_model)
 
 
 @pytest.fixture(scope="module")

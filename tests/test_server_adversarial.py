@@ -25,6 +25,7 @@ from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
 from tests.hostile import GOOD, HI, REFUSED, CappedEngine, check, post
 from tests.server_harness import HTTP, running_server
+from tests.specs import spec_of
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.checks import positive_data_acceptance  # noqa: E402
@@ -34,7 +35,7 @@ EXAMPLES = 50  # schemathesis bodies per (completion route, mode); half that for
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, other_tiny_model):
-    return CappedEngine(Rapid(tiny_model, other_tiny_model, retrieval=RetrievalConfig(method="bm25")))
+    return CappedEngine(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=tiny_model, drafter=other_tiny_model))
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from rapidspec import Rapid
 from rapidspec.prompting.demo_document import demo_document
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import running_server
+from tests.specs import spec_of
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +23,10 @@ def test_two_turn_chat_reuses_the_history_and_keeps_greedy_equality(smollm2):
     if history[-1]["role"] == "user":
         history.append({"role": "assistant", "content": "Noted."})
     first_turn = history + [{"role": "user", "content": item.question}]
-    lc = Rapid(target, retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0).chat(  # leaves nothing on disk:
+    lc = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0), target=target).chat(  # leaves nothing on disk:
         first_turn, mode="lc", max_new_tokens=24)                                         # the server's first turn reads it all
 
-    engine = Rapid(target, retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=target)
     with running_server(engine, model_name="builtin") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
         first = client.chat.completions.create(model="builtin", messages=first_turn, max_tokens=24,
@@ -54,7 +55,7 @@ class Closing(BaseModel):
 
 def test_structured_output_through_the_openai_client_streaming_and_not(real_model):
     """rapid under a JSON schema on the built-in model: the answer parses into the Pydantic model, whole or streamed."""
-    engine = Rapid(real_model(dtype="auto"), retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=real_model(dtype="auto"))
     item = demo_document(target_tokens=2500, tokenizer=engine.tokenizer)
     body = dict(model="builtin", max_tokens=160, temperature=0,
                 messages=[{"role": "user", "content": item.question + " Answer in JSON."}],

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import running_server
+from tests.specs import spec_of
 
 langchain_openai = pytest.importorskip("langchain_openai")
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage  # noqa: E402
@@ -30,7 +31,7 @@ def add(a: int, b: int) -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_model, other_tiny_model):
-    engine = Rapid(tiny_model, other_tiny_model, retrieval=RetrievalConfig(method="bm25"))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=tiny_model, drafter=other_tiny_model)
     with running_server(engine) as url:
         yield url
 

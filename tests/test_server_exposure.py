@@ -27,6 +27,7 @@ from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server.worker import Worker
 from tests.hostile import GOOD, HI, check, post
 from tests.server_harness import HTTP, SlowEngine, running_server, wait_until
+from tests.specs import spec_of
 
 READ_TIMEOUT_S = 1.0
 
@@ -50,7 +51,7 @@ class GatedEngine:
 
 @pytest.fixture(scope="module")
 def rapid(tiny_model, other_tiny_model):
-    return Rapid(tiny_model, other_tiny_model, retrieval=RetrievalConfig(method="bm25"))
+    return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=tiny_model, drafter=other_tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,12 @@ from rapidspec import Rapid
 from rapidspec.retrieval import RetrievalConfig
 from tests.hostile import GOOD, HI, STATUSES, TRIED, CappedEngine, post
 from tests.server_harness import HTTP, running_server
+from tests.specs import spec_of
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, other_tiny_model):
-    engine = CappedEngine(Rapid(tiny_model, other_tiny_model, retrieval=RetrievalConfig(method="bm25")))
+    engine = CappedEngine(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=tiny_model, drafter=other_tiny_model))
     with running_server(engine, max_document_tokens=8192) as url:
         yield url
 

@@ -14,13 +14,14 @@ from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.server import ServerConfig, create_app
 from tests.server_harness import HTTP, SlowEngine, running_server, wait_until
+from tests.specs import spec_of
 
 HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200))
+    return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)), target=tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from rapidspec.retrieval import RetrievalConfig
 from tests.hostile import check
 from tests.server_harness import HTTP, running_server
 from tests.test_server_tools import SCHEMAS, TEMPLATE, TOOLS
+from tests.specs import spec_of
 
 MODES = ["lc", "rag", "sd", "ragsd", "rapid", "magicdec", "lookup"]
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "rain": {"type": "boolean"}},
@@ -120,8 +121,8 @@ def server(tiny_model, byte_tokenizer):
     tokenizer = copy.deepcopy(byte_tokenizer)
     tokenizer.chat_template = TEMPLATE
     target = dataclasses.replace(tiny_model, tokenizer=tokenizer)
-    with running_server(Rapid(target, retrieval=RetrievalConfig(method="bm25", chunk_tokens=64,
-                                                                budget_tokens=128))) as url:
+    with running_server(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64,
+                                                                budget_tokens=128)), target=target)) as url:
         yield url
 
 

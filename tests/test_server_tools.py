@@ -20,6 +20,7 @@ from rapidspec import Rapid
 from rapidspec.grammar.tools import ToolChoice, ToolTextFilter, parse_tool_calls
 from rapidspec.retrieval import RetrievalConfig
 from tests.server_harness import running_server
+from tests.specs import spec_of
 
 TEMPLATE = (
     "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
@@ -46,7 +47,7 @@ def server(tiny_model, other_tiny_model, byte_tokenizer):
     tokenizer.chat_template = TEMPLATE
     target = dataclasses.replace(tiny_model, tokenizer=tokenizer)
     drafter = dataclasses.replace(other_tiny_model, tokenizer=tokenizer)
-    with running_server(Rapid(target, drafter, retrieval=RetrievalConfig(method="bm25"))) as url:
+    with running_server(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=target, drafter=drafter)) as url:
         yield url
 
 

@@ -11,6 +11,7 @@ from rapidspec.outputs import StreamChunk, token_kinds
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.stats import RoundRecord
 from tests.server_harness import HTTP, running_server
+from tests.specs import spec_of
 
 ASK = {"model": "tiny", "messages": [{"role": "user", "content": "What colour was the kettle?"}], "max_tokens": 24,
        "documents": ["Day 3: the kettle was blue. " * 30], "temperature": 0, "stream": True}
@@ -18,7 +19,7 @@ ASK = {"model": "tiny", "messages": [{"role": "user", "content": "What colour wa
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    with running_server(Rapid(tiny_model, retrieval=RetrievalConfig(method="bm25")), api_key="k") as url:
+    with running_server(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=tiny_model), api_key="k") as url:
         yield url
 
 

@@ -12,6 +12,7 @@ from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig
 from rapidspec.retrieval import retriever as retriever_module
 from rapidspec.server import ServerConfig, create_app
+from tests.specs import spec_of
 
 DENSE = RetrievalConfig(method="dense", chunk_tokens=64, budget_tokens=128, embedding_store_gib=0)
 
@@ -25,7 +26,7 @@ def test_the_warm_up_loads_the_embedder_once_whoever_asks_first(tiny_model, monk
         return embedder
 
     monkeypatch.setattr(retriever_module, "load_embedder", load)
-    engine = Rapid(tiny_model, retrieval=DENSE)
+    engine = Rapid(spec_of(retrieval=DENSE), target=tiny_model)
     state = create_app(engine, ServerConfig(model_name="tiny")).state.server
     warming = state.warm_up_retrieval()
     time.sleep(0.05)
@@ -40,7 +41,7 @@ def test_a_warm_up_that_fails_is_logged_and_the_server_goes_on(tiny_model, monke
         raise RapidspecError("the embedding model is not available offline")
 
     monkeypatch.setattr(retriever_module, "load_embedder", missing)
-    state = create_app(Rapid(tiny_model, retrieval=DENSE), ServerConfig(model_name="tiny")).state.server
+    state = create_app(Rapid(spec_of(retrieval=DENSE), target=tiny_model), ServerConfig(model_name="tiny")).state.server
     with caplog.at_level(logging.WARNING, logger="rapidspec.server.state"):
         assert state.warm_up_retrieval().result(timeout=30) is None
     assert "retrieval could not warm up: RapidspecError: the embedding model is not available offline" in caplog.text

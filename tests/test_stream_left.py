@@ -67,7 +67,7 @@ def test_a_stream_cut_midway_is_closed_at_once_and_not_counted_twice():
 
 
 def test_the_server_counts_and_stops_a_stream_whose_client_left_before_it_began(tiny_model):
-    app = create_app(Rapid(tiny_model, None), ServerConfig(model_name="tiny", disconnect_poll_seconds=0.1))
+    app = create_app(Rapid(target=tiny_model, drafter=None), ServerConfig(model_name="tiny", disconnect_poll_seconds=0.1))
     state = app.state.server
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400,
                        "ignore_eos": True, "mode": "lc", "stream": True}).encode()

@@ -40,7 +40,7 @@ def server():
         builtin_gguf_path(QWEN.split(":")[1])
     except RapidspecError as err:  # make test installs it; a bare pytest may not have it
         pytest.skip(str(err))
-    with running_server(Rapid.from_spec(EngineSpec(ModelSpec(target=QWEN))), model_name="qwen") as url:
+    with running_server(Rapid(EngineSpec(ModelSpec(target=QWEN))), model_name="qwen") as url:
         yield url
 
 

@@ -107,7 +107,7 @@ def test_the_server_prepares_requests_on_helper_threads(tiny_model):
     from rapidspec.runtime.threads import BACKGROUND_NICENESS
     from rapidspec.server import ServerConfig, create_app
 
-    app = create_app(Rapid(tiny_model), ServerConfig(model_name="tiny"))
+    app = create_app(Rapid(target=tiny_model), ServerConfig(model_name="tiny"))
     state = app.state.server
     niceness = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
     try:
@@ -132,7 +132,7 @@ def test_a_request_with_large_texts_is_prepared_on_the_lower_priority_threads(ti
 
     threads: list[str] = []
     apps: list = []
-    with running_server(Rapid(tiny_model), apps=apps) as url:
+    with running_server(Rapid(target=tiny_model), apps=apps) as url:
         state = apps[0].state.server
         for pool in (state.preparer, state.background_preparer):
             submit = pool.submit

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_vllm_answers_from_an_exported_builtin_model_as_rapidspec_does(vllm_offline, smollm2):
-    engine = Rapid(smollm2)
+    engine = Rapid(target=smollm2)
     config = DecodeConfig(mode="lc", temperature=0.0, max_new_tokens=CHAT_MAX_TOKENS)
     prompts = engine.chat_prompts(CHAT, config)
     prompt_ids = list(prompts.target_ids)

@@ -193,10 +193,10 @@ def engine_spec(args: argparse.Namespace, reuse_document_cache: bool = True):
 
 
 def load_engine(args: argparse.Namespace, reuse_document_cache: bool = True):
-    """The engine the options name, loaded (:meth:`rapidspec.Rapid.from_spec` of :func:`engine_spec`)."""
+    """The engine the options name, loaded (:class:`rapidspec.Rapid` of :func:`engine_spec`)."""
     from rapidspec.engine import Rapid
 
-    return Rapid.from_spec(engine_spec(args, reuse_document_cache))
+    return Rapid(engine_spec(args, reuse_document_cache))
 
 
 def json_object(text: str | None, flag: str, example: str) -> dict | None:

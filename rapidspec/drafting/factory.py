@@ -30,8 +30,8 @@ from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters
 from rapidspec.models.backend import choose_backend, gguf_file
 from rapidspec.drafting.eta_default import drafter_relation
 from rapidspec.drafting.lookup import LookupDrafter
-from rapidspec.config import DEFAULT_PREFILL_CHUNK_TOKENS, DRAFTER_GGUF_CHOICES, DRAFTER_PREFILLS, MODE_TABLE
-from rapidspec.errors import RapidspecError
+from rapidspec.config import DEFAULT_PREFILL_CHUNK_TOKENS, MODE_TABLE
+from rapidspec.models.spec import ModelSpec
 from rapidspec.models.vocabulary import check_same_vocabulary, logit_width
 from rapidspec.runtime.threads import compute_threads, helper_thread
 
@@ -47,27 +47,23 @@ def spare_cores() -> int:
 class DrafterFactory:
     """The drafters of one engine over ``target``: see the module docstring."""
 
-    def __init__(self, target, drafter=None, backend: str = "auto", threads: int | None = None,
-                 prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS, keep: bool = True, prefill: str = "auto",
-                 gguf: str = "auto", kv_cache: tuple[int, str | None] = (0, None)) -> None:
+    def __init__(self, target, drafter=None, options: ModelSpec = ModelSpec(),
+                 prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS, keep: bool = True,
+                 kv_cache: tuple[int, str | None] = (0, None)) -> None:
+        """``drafter``: None (self), a loaded model or a name; ``options``: the spec's models section, whose drafter
+        options (backend, threads, prefill, GGUF choice) it reads, validated there; ``keep``: keep each
+        backend's last cache for a later prompt; ``kv_cache``: (bytes, folder) where a llama.cpp pool keeps its
+        contexts' states."""
         if drafter is not None and not isinstance(drafter, str) and drafter is not target:
             check_same_vocabulary(target.tokenizer, drafter.tokenizer)
         self.target = target
         self._source = drafter  # None, a loaded model, or a name (loaded on first torch use)
-        self.threads = compute_threads() if threads is None else threads
-        if self.threads < 1:
-            raise RapidspecError(f"drafter_threads must be >= 1, got {threads}")
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.keep = keep
-        if prefill not in DRAFTER_PREFILLS:
-            raise RapidspecError(f"drafter_prefill must be one of {', '.join(DRAFTER_PREFILLS)}, got {prefill!r}")
-        self.prefill = prefill
-        if gguf not in DRAFTER_GGUF_CHOICES:
-            raise RapidspecError(f"drafter_gguf must be one of {', '.join(DRAFTER_GGUF_CHOICES)}, got {gguf!r}")
-        self.gguf = gguf  # what a llama.cpp pool reads (rapidspec.runtime.gguf_copy)
-        self.kv_cache = kv_cache  # (bytes, folder) where a llama.cpp pool keeps its contexts' states
+        self.threads = compute_threads() if options.drafter_threads is None else options.drafter_threads
+        self.prefill_chunk_tokens, self.keep, self.kv_cache = prefill_chunk_tokens, keep, kv_cache
+        self.prefill = options.drafter_prefill
+        self.gguf = options.drafter_gguf  # what a llama.cpp pool reads (rapidspec.runtime.gguf_copy)
         self._beside: ThreadPoolExecutor | None = None
-        self.backend = choose_backend(backend, target, drafter)
+        self.backend = choose_backend(options.drafter_backend, target, drafter)
         self._pools: dict[str, object] = {}
         self._relation: str | None = None
         # what is made on first use (pools, a drafter loaded by name, the relation, the prefill thread) is made

@@ -1,7 +1,7 @@
 """The engine: one generation from spec to output.
 
 * :mod:`.spec`: :class:`EngineSpec`, what an engine is built from (the models and every drafter option,
-  retrieval, cache reuse); :meth:`Rapid.from_spec` is how every surface builds one.
+  retrieval, cache reuse); ``Rapid(spec)`` is how every surface builds one.
 * :mod:`.defaults`: the one step that fills in a request's eta default and gamma schedule.
 * :mod:`.rapid`: :class:`Rapid`, the prompt API and the generation (1 prefill, then the rounds).
 * :mod:`.rounds`: the decode loop (2 draft, 3 verify, 4 accept, 5 commit) and the state its rounds share.

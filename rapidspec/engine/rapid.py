@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from rapidspec.config import DEFAULT_KV_CACHE_GIB, DEFAULT_PREFILL_CHUNK_TOKENS, DEFAULT_PREFIX_CACHE_GIB, DecodeConfig
+from rapidspec.config import DecodeConfig
 from rapidspec.drafting.calibration import CostBook, EngineCosts
 from rapidspec.drafting.eta_default import EtaWarnings
 from rapidspec.drafting.factory import DrafterFactory, drop_started
@@ -63,46 +63,42 @@ MIN_REUSED_PREFIX_TOKENS = 64
 
 
 class Rapid:
-    """Long-context generation with a retrieval-augmented drafter.
+    """Long-context generation with a retrieval-augmented drafter, built from ``spec``, the one way every
+    command, the server, its replicas, eval, bench and tests build an engine.
 
-    ``target`` is a :class:`rapidspec.models.LoadedModel` (anything with ``model``, ``tokenizer`` and
-    ``max_context``). ``drafter``: None drafts with the target's weights and a cache of its own
-    (self-speculation); a loaded model or a model name drafts with that model, smaller or larger, on any
-    device; its vocabulary must equal the target's. ``drafter_backend``: ``auto``, ``torch`` or ``llama.cpp``
-    (:mod:`rapidspec.models.backend`); a request's ``DecodeConfig.drafter_backend`` may pick another one.
-    ``drafter_threads``: llama.cpp's threads (default: torch's).
-    ``drafter_prefill``: ``auto``, ``beside`` or ``after`` the target's prefill (:mod:`rapidspec.drafting.factory`).
-    ``drafter_gguf``: ``auto`` (a fast-prefill copy of a Q4_1 file, :mod:`rapidspec.runtime.gguf_copy`) or ``as-is``.
-    ``reuse_document_cache``: keep target caches in the prefix cache, and each
-    drafter backend's last cache, for later prompts sharing a prefix.
-    ``kv_cache_gib``, ``kv_cache_dir``: the target's keys and values of long prompts on disk, and a llama.cpp
-    drafter's state, for later processes (:mod:`rapidspec.runtime.kv_store`, :mod:`~rapidspec.runtime.llama_state_store`;
-    0 = none; None = ``$RAPIDSPEC_KV_CACHE`` or ``<cache>/kv``).
+    ``spec``: an :class:`~rapidspec.engine.spec.EngineSpec` (None: the defaults, the ``builtin`` model
+    drafting for itself): the models and the drafter's options (``spec.models``, handed whole to the drafter
+    factory), retrieval, the prefill chunk, the caches kept in memory and on disk. The models are loaded from
+    ``spec.models``, or passed as what they are: ``target``, a :class:`rapidspec.models.LoadedModel` (anything
+    with ``model``, ``tokenizer`` and ``max_context``), and ``drafter``: None drafts with the target's weights
+    and a cache of its own (self-speculation); a loaded model or a model name drafts with that model,
+    smaller or larger, on any device; its vocabulary must equal the target's. Models passed in replace the
+    spec's model names and loading options; its drafter options still apply. ``template``: the prompt of
+    a document and a question (:class:`~rapidspec.prompting.prompts.PromptTemplate`).
     """
 
-    def __init__(self, target, drafter=None, retrieval=None, template: PromptTemplate | None = None,
-                 prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS, reuse_document_cache: bool = True,
-                 prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB, drafter_backend: str = "auto",
-                 drafter_threads: int | None = None, drafter_prefill: str = "auto", drafter_gguf: str = "auto",
-                 kv_cache_gib: float = DEFAULT_KV_CACHE_GIB, kv_cache_dir: str | None = None) -> None:
-        from rapidspec.retrieval import RetrievalConfig, Retriever
+    def __init__(self, spec: EngineSpec | None = None, *, target=None, drafter=None,
+                 template: PromptTemplate | None = None) -> None:
+        from rapidspec.retrieval import Retriever
 
-        self.target = target
-        self.tokenizer = target.tokenizer
+        spec = EngineSpec() if spec is None else spec
+        if not isinstance(spec, EngineSpec):
+            raise RapidspecError(f"Rapid takes an EngineSpec (models already loaded go in target= and drafter=), "
+                                 f"got {type(spec).__name__}")
+        if target is None and drafter is not None:
+            raise RapidspecError("a drafter passed in needs its target passed in too (target=)")
+        if target is None:
+            target, drafter = spec.models.load()
+        self.spec, self.target, self.tokenizer = spec, target, target.tokenizer
         self.template = template or PromptTemplate()
-        self.retriever = Retriever(retrieval or RetrievalConfig(), tokenizer=self.tokenizer)
-        self.prefill_chunk_tokens, self.reuse_document_cache = prefill_chunk_tokens, reuse_document_cache
-        if prefix_cache_gib < 0:
-            raise RapidspecError(f"prefix_cache_gib must be >= 0, got {prefix_cache_gib}")
-        self.prefix_cache = PrefixCache(int(prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
-        if kv_cache_gib < 0:
-            raise RapidspecError(f"kv_cache_gib must be >= 0, got {kv_cache_gib}")
-        self._kv_cache = (int(kv_cache_gib * GIB), kv_cache_dir)
+        self.retriever = Retriever(spec.retrieval, tokenizer=self.tokenizer)
+        self.prefill_chunk_tokens, self.reuse_document_cache = spec.prefill_chunk_tokens, spec.reuse_document_cache
+        self.prefix_cache = PrefixCache(int(spec.prefix_cache_gib * GIB), MIN_REUSED_PREFIX_TOKENS)
+        self._kv_cache = (int(spec.kv_cache_gib * GIB), spec.kv_cache_dir)
         self._disk: DiskKVStore | None = None
         self.eos_token_ids = eos_token_ids(target)
-        self.drafting = DrafterFactory(target, drafter, drafter_backend, drafter_threads, prefill_chunk_tokens,
-                                       keep=reuse_document_cache, prefill=drafter_prefill, gguf=drafter_gguf,
-                                       kv_cache=self._kv_cache)
+        self.drafting = DrafterFactory(target, drafter, spec.models, spec.prefill_chunk_tokens,
+                                       keep=spec.reuse_document_cache, kv_cache=self._kv_cache)
         self.vocab_size = self.drafting.vocab_size
         self.grammar_tokens = GrammarTokens(self.tokenizer, max(self.vocab_size, len(self.tokenizer)),
                                             self.eos_token_ids)
@@ -110,19 +106,6 @@ class Rapid:
         self._costs = EngineCosts(CostBook(), target, self.drafting, self.retriever, self.eos_token_ids)
         # each conversation's earlier answers (their acceptance, the drafter cache they left): the join's plan reads it
         self.memory = ConversationMemory()
-
-    @classmethod
-    def from_spec(cls, spec: EngineSpec, loaded: tuple | None = None) -> "Rapid":
-        """The engine of ``spec`` (an :class:`~rapidspec.engine.spec.EngineSpec`): the way every command, the
-        server, its replicas, eval and bench build one. ``loaded``: (target, drafter) already loaded from
-        ``spec.models`` (an eval actor loads once and builds an engine per run); None loads them now."""
-        models = spec.models
-        target, drafter = loaded if loaded is not None else models.load()
-        return cls(target, drafter, retrieval=spec.retrieval, prefill_chunk_tokens=spec.prefill_chunk_tokens,
-                   reuse_document_cache=spec.reuse_document_cache, prefix_cache_gib=spec.prefix_cache_gib,
-                   drafter_backend=models.drafter_backend, drafter_threads=models.drafter_threads,
-                   drafter_prefill=models.drafter_prefill, drafter_gguf=models.drafter_gguf,
-                   kv_cache_gib=spec.kv_cache_gib, kv_cache_dir=spec.kv_cache_dir)
 
     def resolve(self, config: DecodeConfig) -> tuple[DecodeConfig, str | None]:
         """``config`` with the eta default of this engine's drafter and a concrete gamma schedule, and where its

@@ -3,7 +3,7 @@
 The command line builds one from its options, one to one
 (:func:`rapidspec.cli.options.engine_spec`); every command, the server, its
 Ray Serve replicas, ``rapidspec eval`` (local and on Ray actors) and
-``rapidspec bench`` pass it to :meth:`rapidspec.Rapid.from_spec`, the one way
+``rapidspec bench`` pass it to :class:`rapidspec.Rapid`, the one way
 they build an engine, so no option is dropped on the way and a process on
 another machine builds exactly what the command named.
 """

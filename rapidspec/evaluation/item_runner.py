@@ -4,7 +4,7 @@
 (the decode defaults, the answer length, the data label, where the drafter
 retrieves from); :class:`ItemRunner` holds the engine built from an
 :class:`~rapidspec.engine.spec.EngineSpec` (every drafter option and retrieval,
-:meth:`rapidspec.Rapid.from_spec`) over the loaded models, and turns an (item, variant) pair into a record
+:class:`rapidspec.Rapid`) over the loaded models, and turns an (item, variant) pair into a record
 without its ``config``, which the caller adds (with the judge's name when
 there is one). Each call names its retriever and prompt template; the
 engine's own are never reassigned. Records do not depend on which process
@@ -50,7 +50,7 @@ class ItemRunner:
 
         self.spec, self.options = spec, options
         self.prefill_progress = prefill_progress
-        self.engine = Rapid.from_spec(spec, loaded=(target, drafter))
+        self.engine = Rapid(spec, target=target, drafter=drafter)
         self.config = run_config(target, drafter, self.engine.drafter_backend, options.base, data=options.data_label,
                                  max_new_tokens=options.max_new_tokens, retrieval=spec.retrieval,
                                  retrieve_from=options.retrieve_from, logprobs=options.logprobs,
@@ -76,9 +76,8 @@ class ItemRunner:
         from rapidspec.models.spec import ModelSpec
 
         if self._drafter_engine is None:
-            drafter = self.engine.drafter
-            spec = EngineSpec(ModelSpec(target=drafter.name, drafter_backend="torch"), self.spec.retrieval)
-            self._drafter_engine = Rapid.from_spec(spec, loaded=(drafter, None))
+            spec = EngineSpec(ModelSpec(drafter_backend="torch"), self.spec.retrieval)
+            self._drafter_engine = Rapid(spec, target=self.engine.drafter)
         return self._drafter_engine
 
     def run(self, item: EvalItem, variant) -> dict:

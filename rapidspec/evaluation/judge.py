@@ -76,10 +76,9 @@ class Judge:
     max_new_tokens: int = 96
 
     def __post_init__(self) -> None:
-        from rapidspec.engine import EngineSpec, Rapid
-        from rapidspec.models.spec import ModelSpec
+        from rapidspec.engine import Rapid
 
-        self.engine = Rapid.from_spec(EngineSpec(ModelSpec(target=self.name)), loaded=(self.model, None))
+        self.engine = Rapid(target=self.model)
         self.config = DecodeConfig(mode="lc", temperature=0.0, max_new_tokens=self.max_new_tokens)
 
     @property

@@ -2,7 +2,7 @@
 
 The command line builds one from its model options, one to one, inside the
 :class:`~rapidspec.engine.spec.EngineSpec` that every surface passes to
-:meth:`rapidspec.Rapid.from_spec` (which calls :meth:`ModelSpec.load`), so a
+:class:`rapidspec.Rapid` (which calls :meth:`ModelSpec.load`), so a
 process on another machine loads exactly what the command named. Invalid values raise
 :class:`~rapidspec.errors.RapidspecError` on construction.
 """

@@ -31,7 +31,7 @@ from rapidspec.runtime.errors import PrefillStopped
 # Reserved room grows by this factor (and in multiples of ROOM_QUANTUM tokens).
 ROOM_GROWTH = 1.5
 #: Prompt tokens per prefill forward of a cache made without an engine (the engine passes its own,
-#: :data:`rapidspec.config.DEFAULT_PREFILL_CHUNK_TOKENS`).
+#: :data:`rapidspec.config.DEFAULT_PREFILL_CHUNK_TOKENS`, the same number: tests/test_layout.py).
 PREFILL_CHUNK_TOKENS = 2048
 ROOM_QUANTUM = 256
 

@@ -45,7 +45,7 @@ class RapidspecReplica:
         from rapidspec.runtime.threads import helper_thread
 
         helper_thread()  # the worker's engine thread computes (rapidspec.runtime.threads)
-        self.engine = Rapid.from_spec(spec)
+        self.engine = Rapid(spec)
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
 

@@ -4,7 +4,7 @@ The drafter is ``ProposerOptions.drafter`` when given, else what
 ``rapidspec.json`` in vLLM's model folder names (``rapidspec models export``
 writes it: the GGUF file the folder was made from, else the model's rapidspec
 name), else vLLM's model folder itself. On a CPU a drafter with a GGUF file
-drafts on llama.cpp, as in rapidspec's own engine
+drafts on llama.cpp, chosen by rapidspec's own engine's rule
 (:func:`rapidspec.models.backend.choose_backend`); elsewhere torch loads it
 on vLLM's device.
 """
@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from rapidspec.config import DEFAULT_PREFILL_CHUNK_TOKENS
 from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters
 from rapidspec.errors import RapidspecError
+from rapidspec.models.backend import choose_backend
 from rapidspec.models.loading import resolve_source
 from rapidspec.runtime.llama_cpp import llama_cpp_available
 from rapidspec.runtime.threads import compute_threads
@@ -52,17 +54,13 @@ def drafter_source(chosen: str | None, folder: Path) -> str:
 def drafter_pool(options, folder: Path, tokenizer, device: torch.device):
     """The :class:`~rapidspec.drafting.backends.DrafterPool` of the drafter ``options`` and ``folder`` name."""
     source = drafter_source(options.drafter, folder)
-    _, gguf = resolve_source(source)
     name = "self" if Path(source) == folder else Path(source).name
-    backend = options.drafter_backend
-    if backend == "auto":
-        backend = "llama.cpp" if device.type == "cpu" and gguf is not None and llama_cpp_available() else "torch"
-    if backend == "llama.cpp":
-        if gguf is None:
-            raise RapidspecError(f"drafter backend 'llama.cpp' reads GGUF files; {source!r} is not one")
-        if not llama_cpp_available():
-            raise RapidspecError("drafter backend 'llama.cpp' needs llama-cpp-python in vLLM's venv (`make vllm`)")
-        return LlamaCppDrafters(gguf, options.drafter_threads or compute_threads(), tokenizer, name)
+    if options.drafter_backend == "llama.cpp" and not llama_cpp_available():
+        raise RapidspecError("drafter backend 'llama.cpp' needs llama-cpp-python in vLLM's venv (`make vllm`)")
+    # the engine's choice (rapidspec.models.backend), for a target on vLLM's device and the drafter named
+    if choose_backend(options.drafter_backend, SimpleNamespace(device=device), source) == "llama.cpp":
+        return LlamaCppDrafters(resolve_source(source)[1], options.drafter_threads or compute_threads(), tokenizer,
+                                name)
     from rapidspec.models import load_model
     from rapidspec.models.vocabulary import check_same_vocabulary
 
