@@ -299,7 +299,7 @@ def test_sessions_report_prefix_reuse_per_session():
     assert s["prefix_reuse_by_session"] == {"conversation-0": 0.45, "conversation-1": 0.25}
     from rich.console import Console
 
-    from rapidspec.cli.bench_serve_report import outcome_table
+    from rapidspec.bench.serve.report import outcome_table
 
     console = Console(width=200, record=True)
     four = {"a": 0.5, "b": 0.5, "c": 1.0, "d": 1.0}

@@ -215,3 +215,14 @@ def test_no_function_over_80_lines_and_a_round_on_one_screen():
     loop = {name.split(":")[0]: n for name, n in lengths.items() if name.startswith("rapidspec.engine.rounds.run_round")}
     assert set(loop) == {"rapidspec.engine.rounds.run_round", "rapidspec.engine.rounds.run_rounds"}
     assert all(n <= 50 for n in loop.values()), loop
+
+
+def test_bench_logic_lives_in_bench_and_the_command_line_only_parses_and_prints():
+    """One module per bench command in cli/; the runs, the peers and the tables are rapidspec.bench's."""
+    assert sorted(p.name for p in (PACKAGE / "cli").glob("bench*.py")) == ["bench.py", "bench_serve.py"]
+    for path in (PACKAGE / "cli").glob("bench*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        assert not {"Table", "Peer"} & {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+                                          and isinstance(n.func, ast.Name)}, path.name
+        assert defined <= {"register", "run", "_requests", "_max_tokens", "_launch_config", "_result_file"}, defined

@@ -17,17 +17,14 @@ import contextlib
 import json
 import os
 import shlex
-import signal
-import threading
-from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rapidspec.bench.serve import PEERS
-from rapidspec.cli.bench_serve_peers import plan_peers
-from rapidspec.cli.bench_serve_report import comparison_table, results_tables
+from rapidspec.bench.serve.peers import PeerOptions, plan_peers
+from rapidspec.bench.serve.report import comparison_table, results_tables
+from rapidspec.bench.serve.run import failed, measure, measure_peer, measure_started, redacted, terminate_as_interrupt
 from rapidspec.cli.options import json_object
 from rapidspec.errors import RapidspecError
 
@@ -135,20 +132,23 @@ def run(args: argparse.Namespace) -> int:
     )
     launch = _launch_config(args)
     result_file = _result_file(args.result_file)
+    options = PeerOptions(args.peer, args.target, args.peer_gguf, args.peer_model, args.peer_parallel, args.peer_threads,
+                          args.peer_args, args.peer_speculation, args.peer_draft_gguf, args.peer_speculative_tokens,
+                          args.server_timeout)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_terminate_as_interrupt())  # servers started here are stopped on SIGTERM too
-        peers = plan_peers(args, config, requests, stack)
+        stack.enter_context(terminate_as_interrupt())  # servers started here are stopped on SIGTERM too
+        peers = plan_peers(options, config, requests, stack)
         err = Console(stderr=True)
         if launch is None:
-            summary = _measure(config, requests, err) | {"server": {"started_here": False}}
+            summary = measure(config, requests, err) | {"server": {"started_here": False}}
         else:
             from rapidspec.bench.serve.process import LocalServer
 
-            summary = _measure_started(LocalServer(launch), config, requests, err, _redacted(launch.serve_args))
+            summary = measure_started(LocalServer(launch), config, requests, err, redacted(launch.serve_args))
         summary = {"dataset": dataset} | summary
         summaries = {"rapidspec": summary}
         for peer in peers:
-            summaries[peer.name] = {"dataset": dataset} | _measure_peer(peer, requests, err)
+            summaries[peer.name] = {"dataset": dataset} | measure_peer(peer, requests, err)
     result = summary if not peers else {"dataset": dataset, "servers": summaries}
     if result_file is not None:
         result_file.write_text(json.dumps(result, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
@@ -158,66 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if peers:
         out.print(comparison_table(summaries))
     print(json.dumps(result, ensure_ascii=False), flush=True)
-    failed = any(s.get("failed") or s["lost"] or s["errors"] or s["server"].get("exit_code", 0) != 0
-                 for s in summaries.values())
-    return 1 if failed else 0
-
-
-def _measure_started(server, config, requests, err: Console, args: list[str], counters=None) -> dict:
-    """Start ``server`` (a LocalServer) on 127.0.0.1, measure the load on it, stop it; the summary with its side."""
-    with contextlib.ExitStack() as stack:
-        with err.status(f"starting {server.name} on 127.0.0.1"):
-            stack.enter_context(server)
-        err.print(f"{server.name} started at {server.url} (log: {server.log_path})", soft_wrap=True)
-        summary = _measure(replace(config, base_url=server.url), requests, err, counters)
-    return summary | {"server": {"started_here": True, "args": args, "exit_code": server.exit_code,
-                                 "log": server.log_path}}
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM (``timeout``, ``kill``) raises KeyboardInterrupt, so the servers started here are stopped as on
-    Ctrl-C rather than left running (vLLM's in a process group of their own would not get the signal)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _measure_peer(peer, requests, err: Console) -> dict:
-    """The peer's summary; one that did not start or whose test request failed is one line on stderr (naming the
-    server's log) and ``{"failed": message}`` in the results, and the other servers still run."""
-    try:
-        return _measure_started(peer.server, peer.load, requests, err, peer.args, peer.counters)
-    except RapidspecError as error:
-        log = peer.server.log_path
-        message = str(error) if log is None or log in str(error) else f"{error} (log: {log})"
-        err.print(f"{peer.name}: {message}", soft_wrap=True, markup=False, highlight=False)
-        return {"failed": message, "server": {"started_here": True, "args": peer.args,
-                                                 "exit_code": peer.server.exit_code, "log": peer.server.log_path}}
-
-
-def _measure(config, requests, err: Console, counters: dict[str, str] | None = None) -> dict:
-    from rapidspec.bench.serve.load import run_benchmark
-
-    counts = {"completed": 0, "rejected": 0, "error": 0}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as progress:
-        task = progress.add_task("test request" if config.test_request else "requests", total=config.num_prompts)
-
-        def done(result) -> None:
-            counts[result.outcome] += 1
-            progress.update(task, advance=1, description=", ".join(f"{k} {v}" for k, v in counts.items()))
-
-        return run_benchmark(config, requests, on_done=done, counters=counters)
+    return 1 if failed(summaries) else 0
 
 
 def _requests(args: argparse.Namespace) -> tuple[list, str]:
@@ -259,12 +200,6 @@ def _launch_config(args: argparse.Namespace):
     except ValueError as err:
         raise RapidspecError(f"--serve-args: {err}") from None
     return LaunchConfig(tuple(serve_args), api_key=args.api_key, start_timeout_s=args.server_timeout)
-
-
-def _redacted(serve_args: tuple[str, ...]) -> list[str]:
-    """The arguments without the API key."""
-    return ["***" if previous == "--api-key" else "--api-key=***" if arg.startswith("--api-key=") else arg
-            for previous, arg in zip(("", *serve_args), serve_args)]
 
 
 def _result_file(path: str | None) -> Path | None:
