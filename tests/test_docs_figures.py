@@ -96,3 +96,20 @@ def test_durations_and_counts_are_read_as_the_outputs_write_them(tmp_path):
     _, missing = missing_figures(f"pytest 15 min 54 s for 1,754 tests and 956.5 s, {link}")
     assert missing == ["15 min 54 s", "956.5 s", "1,754 tests"]
     assert missing_figures("the demo took 12.5 s")[1] == ["12.5 s"]  # no output linked: nothing holds it
+
+
+def test_the_reproduction_page_is_what_its_command_writes_from_the_results_files(tmp_path):
+    """docs/reproduction.md's tables come from docs/results/ by the command it ends its preamble with; written
+    again (without its figures), the page is the same."""
+    from rapidspec.evaluation.report import write_report
+
+    preamble = (ROOT / "docs" / "results" / "preamble.md").read_text(encoding="utf-8")
+    command = next(line for line in preamble.splitlines() if line.startswith("rapidspec report "))
+    prefixes = re.search(r"docs/results/\{([\w,]+)\}\*\.jsonl", command).group(1).split(",")
+    files = sorted(p for p in (ROOT / "docs" / "results").glob("*.jsonl") if p.name.startswith(tuple(prefixes)))
+    written = write_report([str(p.relative_to(ROOT)) for p in files], tmp_path / "reproduction.md", plots=False,
+                           preamble=preamble)
+    page = (ROOT / "docs" / "reproduction.md").read_text(encoding="utf-8")
+    without_figures = re.sub(r"## [^\n]*, all greedy files: [^\n]*\n\n[^\n]*\n\n", "", page)  # sections of figures
+    without_figures = re.sub(r"!\[\]\([^)]+\)\n\n?", "", without_figures)
+    assert written.read_text(encoding="utf-8") == without_figures

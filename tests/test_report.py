@@ -83,3 +83,21 @@ def test_helpers_and_errors(tmp_path, capsys):
     assert "holds no records" in capsys.readouterr().err
     results = write_results(tmp_path / "r2.jsonl", items=2)
     assert main(["report", str(results), "--out", str(tmp_path / "x.md"), "--preamble", str(tmp_path / "nope.md")]) == 2
+
+
+def test_a_file_that_is_not_an_eval_results_file_is_one_line_not_a_traceback(tmp_path, capsys):
+    other = tmp_path / "bench.jsonl"  # a benchmark's own records: JSON lines, but no eval record's fields
+    other.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n", encoding="utf-8")
+    results = write_results(tmp_path / "r.jsonl", items=1)
+    assert main(["report", str(results), str(other), "--out", str(tmp_path / "x.md")]) == 2
+    err = capsys.readouterr().err
+    assert "bench.jsonl is not a results file of `rapidspec eval`: record 1 has no id, mode, metrics, stats, config" \
+        in err and "Traceback" not in err and not (tmp_path / "x.md").exists()
+
+
+def test_the_data_is_named_without_the_machine_s_folders(tmp_path):
+    from rapidspec.evaluation.report import data_name
+
+    assert data_name("/home/me/data/leval/quality.jsonl") == "leval/quality.jsonl"
+    assert data_name("../shared/data/locomo/locomo_dev.json") == "locomo/locomo_dev.json"
+    assert data_name("synthetic") == "synthetic" and data_name(None) == "None"

@@ -41,7 +41,23 @@ def load_records(path: str | Path) -> list[dict]:
     records, _ = read_records(path)
     if not records:
         raise RapidspecError(f"{path} holds no records")
+    for number, record in enumerate(records, 1):
+        missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
+        if missing:
+            raise RapidspecError(f"{path} is not a results file of `rapidspec eval`: record {number} has no "
+                                 f"{', '.join(missing)}")
     return records
+
+
+#: What every record of a results file holds (rapidspec.evaluation.item_runner writes them).
+RECORD_KEYS = ("id", "mode", "metrics", "stats", "config")
+
+
+def data_name(data) -> str:
+    """A results file's data as a reader elsewhere names it: a path's last folder and file (the machine's own
+    folders above them say nothing to another reader), other labels as they are."""
+    text = str(data)
+    return "/".join(Path(text).parts[-2:]) if "/" in text else text
 
 
 def _key(row: SummaryRow) -> tuple:
@@ -176,7 +192,7 @@ def retrieval_section(files: Sequence[list[dict]]) -> list[str]:
     if not compared:
         return []
     methods = sorted({method for rows in compared.values() for method in rows})
-    body = [[str(same[0]), str(same[1]), str(next(iter(rows.values())).n),
+    body = [[str(same[0]), data_name(same[1]), str(next(iter(rows.values())).n),
              *(_ci(rows[m]) if m in rows else "-" for m in methods)] for same, rows in compared.items()]
     return ["## Retrieval methods: rag per method", "",
             "rag (the model reads only the retrieved text) on the same items with the same budget, per retrieval "
@@ -207,7 +223,7 @@ def file_section(path: str | Path, records: list[dict], figures: list[str], per_
     longest = max(r["stats"].get("prompt_tokens_target") or 0 for r in records)
     head = [f"## {Path(path).name}", "",
             f"Model {config.get('model')}, drafter {drafter_name(config) or 'the target (self-speculation)'}; "
-            f"data {config.get('data')}; {len({r['id'] for r in records})} items, {len(records)} runs; "
+            f"data {data_name(config.get('data'))}; {len({r['id'] for r in records})} items, {len(records)} runs; "
             f"temperature {config.get('temperature')}, seed {config.get('seed')}; retrieval "
             f"{(config.get('retrieval') or {}).get('method')}; longest target prompt {longest} tokens"
             + (f"; drafter chunks from {config['retrieve_from']}" if config.get("retrieve_from") else "")
