@@ -1,9 +1,11 @@
-"""The README's figures are copied from kept outputs: every measured figure in a paragraph or table row (decimals
-such as tokens/s and accuracies, durations such as ``393 s``, ``218 ms`` or ``4 min 7 s``, test counts) must be
-found in one of the outputs that paragraph or row links (files under docs/ that are not pages). Durations may be
-rounded from the output's (``0.987`` -> ``0.99 s``, ``0:04:07`` or ``247.22s`` -> ``4 min 7 s``); decimals are
-found as written. Ratios (``1.92x``), model sizes (``0.5B``) and bracketed intervals are derived or names and are
-not checked; the settings table ("Modes and knobs") holds defaults, not measurements."""
+"""Figures are copied from kept outputs: every measured figure in a paragraph or table row of the README and of
+the docs pages named here (decimals such as tokens/s and accuracies, durations such as ``393 s``, ``218 ms`` or
+``4 min 7 s``, test counts) must be found in one of the outputs that paragraph or row links, or, for a table row,
+that the paragraph before its table links (files beside the pages that are not pages themselves). Durations may
+be rounded from the output's (``0.987`` -> ``0.99 s``, ``0:04:07`` or ``247.22s`` -> ``4 min 7 s``); decimals are
+found as written. Ratios (``1.92x``), model sizes (``0.5B``), bracketed intervals, code spans (commands and
+settings) and tables of settings (a ``default`` column) are not measurements and are not checked.
+docs/reproduction.md is written by ``rapidspec report`` from docs/results/, and a test writes it again."""
 
 from __future__ import annotations
 
@@ -11,30 +13,41 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The pages whose figures are checked (docs/reproduction.md is checked by writing it again).
+CHECKED_PAGES = ("README.md",)
 DURATION = re.compile(r"(?<![\w.,])(?:(\d+) min(?: (\d+) s)?|(\d+(?:\.\d+)?) (ms|s))(?!\w)")
 FIGURE = re.compile(r"(?<![\w.+\-\[])(\d+\.\d+)(?![\dxB.]| m?s\b)")
 COUNT = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+) tests")
-LINK = re.compile(r"\]\((docs/[^)#\s]+)")
+LINK = re.compile(r"\]\(([^)#\s]+)")
+CODE = re.compile(r"`[^`]*`")
 NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)")
 CLOCK = re.compile(r"(?<![\d:])(?:(\d+):)?(\d{1,2}):(\d\d)(?![\d:])")  # 0:04:07, 15:55
 MINUTES = re.compile(r"(\d+)m(\d+(?:\.\d+)?)s|(\d+) min (\d+) s")  # `time`'s 19m19.980s, a set-up's 2 min 15 s
 
 
-def blocks(text: str) -> list[str]:
-    """The paragraphs and table rows of a page, without code blocks and the settings table."""
-    out, current, fenced, section = [], [], False, ""
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(paragraph or table row, the paragraph before the row's table) of a page, outside code blocks and tables of
+    settings; code spans are left out of both."""
+    out, current, fenced, caption, table = [], [], False, "", None
     for line in [*text.splitlines(), ""]:
-        section = line if line.startswith("## ") else section
-        fenced = fenced != line.startswith("```")
-        if fenced or line.startswith("```") or "Modes and knobs" in section or line.startswith("|") or not line.strip():
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or line.startswith(("```", "#", "|")) or not line.strip():
             if current:
-                out.append(" ".join(current))
+                caption = CODE.sub("", " ".join(current))
+                out.append((caption, ""))
                 current = []
-            if line.startswith("|") and not fenced and "Modes and knobs" not in section:
-                out.append(line)
+            if line.startswith("#"):
+                caption = ""
+            if line.startswith("|") and not fenced:
+                table = line if table is None else table  # its header row
+                if "default" not in table.lower():
+                    out.append((CODE.sub("", line), caption))
+            else:
+                table = None
             continue
         current.append(line)
-    return out
+    return [(block, context) for block, context in out if block.strip()]
 
 
 def seconds_in(text: str) -> tuple[set[float], set[float]]:
@@ -58,27 +71,43 @@ def found(duration: tuple[str, str, str, str], seconds: set[float], millis: set[
     return any(round(n, digits) == float(value) for n in (millis if unit == "ms" else seconds))
 
 
-def missing_figures(block: str) -> tuple[list[str], list[str]]:
+def outputs_of(page: Path, text: str) -> list[Path]:
+    """The kept outputs ``text`` links: files beside ``page`` (or below), not pages, not web addresses."""
+    found = []
+    for link in LINK.findall(text):
+        path = (page.parent / link).resolve()
+        if not link.startswith(("http:", "https:")) and not link.endswith(".md") and path.is_file():
+            found.append(path)
+    return found
+
+
+def missing_figures(block: str, page: Path = ROOT / "README.md", context: str = "") -> tuple[list[str], list[str]]:
     """(the block's linked outputs, its figures found in none of them)."""
-    outputs = [link for link in LINK.findall(block) if not link.endswith(".md")]
-    text = "\n".join((ROOT / link).read_text(encoding="utf-8", errors="replace") for link in outputs)
+    outputs = outputs_of(page, block + " " + context)
+    text = "\n".join(path.read_text(encoding="utf-8", errors="replace") for path in outputs)
     seconds, millis = seconds_in(text)
     missing = [f for f in FIGURE.findall(block) if f not in text]
     missing += [m.group(0) for m in DURATION.finditer(block) if not found(m.groups(), seconds, millis)]
     missing += [f"{c} tests" for c in COUNT.findall(block) if c not in text and c.replace(",", "") not in text]
-    return outputs, missing
+    return [str(p.relative_to(ROOT)) for p in outputs], missing
 
 
-def test_every_readme_figure_is_in_an_output_its_paragraph_links():
-    measured = [b for b in blocks((ROOT / "README.md").read_text(encoding="utf-8"))
-                if FIGURE.search(b) or DURATION.search(b) or COUNT.search(b)]
-    assert len(measured) >= 10
+def page_problems(page: Path) -> dict[str, object]:
+    """Each paragraph or row of ``page`` with figures that links no output, or whose figures its outputs lack."""
     problems = {}
-    for block in measured:
-        outputs, missing = missing_figures(block)
-        if not outputs or missing:
-            problems[block[:60]] = missing or "no output linked"
-    assert problems == {}
+    for block, context in blocks(page.read_text(encoding="utf-8")):
+        if FIGURE.search(block) or DURATION.search(block) or COUNT.search(block):
+            outputs, missing = missing_figures(block, page, context)
+            if not outputs or missing:
+                problems[block[:70]] = missing or "no output linked"
+    return problems
+
+
+def test_every_figure_of_the_checked_pages_is_in_an_output_its_paragraph_links():
+    readme = blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert len([b for b, _ in readme if FIGURE.search(b) or DURATION.search(b) or COUNT.search(b)]) >= 10
+    problems = {page: page_problems(ROOT / page) for page in CHECKED_PAGES}
+    assert {page: found for page, found in problems.items() if found} == {}
 
 
 def test_a_figure_its_outputs_do_not_hold_is_found():
