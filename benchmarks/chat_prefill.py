@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target, drafter = load_models(args)
     retrieval = RetrievalConfig(method="bm25")
-    cached = Rapid(EngineSpec(retrieval=retrieval, kv_cache_gib=0), target=target, drafter=drafter)  # timed prefills: none read from disk
+    cached = Rapid(EngineSpec(retrieval=retrieval, kv_cache_gib=0),
+                   target=target, drafter=drafter)  # timed prefills: none read from disk
     uncached = Rapid(EngineSpec(retrieval=retrieval, reuse_document_cache=False, kv_cache_gib=0), target=target)
     config = DecodeConfig(mode=args.mode, max_new_tokens=args.max_new_tokens, truncate="error")
     conversation = sample["conversation"]

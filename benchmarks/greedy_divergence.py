@@ -49,7 +49,8 @@ def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
 
 def run_dtype(args, dtype: str, items, modes) -> list[dict]:
     target = load_model(args.target, dtype=dtype)
-    engine = Rapid(EngineSpec(retrieval=RetrievalConfig(method=args.retrieval, chunk_tokens=256), kv_cache_gib=0), target=target)
+    engine = Rapid(EngineSpec(retrieval=RetrievalConfig(method=args.retrieval, chunk_tokens=256), kv_cache_gib=0),
+                   target=target)
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, ignore_eos=True)
     rows = []
     for item in track(items, description=f"{dtype}", console=Console(stderr=True), transient=True):

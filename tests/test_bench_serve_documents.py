@@ -68,7 +68,8 @@ def test_an_empty_or_missing_file_is_refused(tmp_path):
 
 def test_a_live_run_asks_every_question_and_follow_ups_find_the_document_cached(tiny_model, other_tiny_model,
                                                                               documents_file, capsys):
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96)), target=tiny_model, drafter=other_tiny_model)
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96)),
+                   target=tiny_model, drafter=other_tiny_model)
     with running_server(engine) as url:
         code = main(["bench", "serve", "--base-url", url, "--documents", str(documents_file), "--max-concurrency",
                      "1", *SMALL])

@@ -161,8 +161,8 @@ def test_a_peer_without_a_gguf_is_one_line(tiny_model, capsys, monkeypatch, tmp_
 @pytest.mark.slow  # reads the default model's GGUF
 def test_the_peer_gets_the_same_load_and_both_are_reported(tiny_model, other_tiny_model, fake_llama_server, capsys):
     binary, record = fake_llama_server
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96,
-                                                                          budget_tokens=200)), target=tiny_model, drafter=other_tiny_model)
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)),
+                   target=tiny_model, drafter=other_tiny_model)
     with running_server(engine) as url:
         code = main(["bench", "serve", "--base-url", url, "--num-prompts", "3", "--max-concurrency", "2",
                      "--peer", "llama.cpp", "--peer-gguf", str(builtin_gguf_path()), "--peer-threads", "1",

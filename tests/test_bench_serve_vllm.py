@@ -233,8 +233,8 @@ def test_vllm_options_are_checked_before_anything_runs(capsys, fake_vllm):
 
 
 def _run(tiny_model, other_tiny_model, extra: list[str]):
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96,
-                                                                          budget_tokens=200)), target=tiny_model, drafter=other_tiny_model)
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)),
+                   target=tiny_model, drafter=other_tiny_model)
     with running_server(engine) as url:
         return main(["bench", "serve", "--base-url", url, "--num-prompts", "3", "--max-concurrency", "2",
                      "--peer", "vllm", "--peer-threads", "1", "--peer-speculative-tokens", "4",
@@ -352,8 +352,8 @@ def test_sigterm_stops_the_vllm_server_started_here(fake_vllm, tiny_model, other
     """``timeout`` or ``kill`` on bench serve stops the vLLM server it started (a group of its own, out of reach
     of a signal to bench serve's group) as Ctrl-C does."""
     python, record, _ = fake_vllm
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96,
-                                                                          budget_tokens=200)), target=tiny_model, drafter=other_tiny_model)
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)),
+                   target=tiny_model, drafter=other_tiny_model)
     with running_server(engine) as url:
         bench = subprocess.Popen(
             [sys.executable, "-m", "rapidspec", "bench", "serve", "--base-url", url, "--num-prompts", "1",

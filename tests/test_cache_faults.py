@@ -332,7 +332,8 @@ def test_a_llama_cpp_drafter_reads_its_file_as_it_is(kind, way, q4_1_file, tiny_
     before = files(folder)
     with caplog.at_level(logging.WARNING):
         assert fast_prefill_copy(q4_1_file, "Q8_0", 1) is None
-        engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64), drafter_backend="llama.cpp"), target=tiny_model, drafter=str(q4_1_file))
+        engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64), drafter_backend="llama.cpp"),
+                       target=tiny_model, drafter=str(q4_1_file))
         out = engine.generate(haystack(10), "winter?", mode="rapid", eta=0.0, gamma=4, max_new_tokens=8)
     assert engine.drafter_label.endswith("Q4_1)") and out.token_ids and out.stats.drafted_tokens > 0
     assert files(folder) == before
@@ -419,7 +420,8 @@ def test_key_value_blocks_where_they_cannot_be_written(kind, way, tiny_model, tm
     document = " ".join(f"Dock {i}: the crane lifted {i * 13} crates before dusk." for i in range(40))
 
     def engine(folder: Path) -> Rapid:
-        return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(folder / "kv")), target=tiny_model)
+        return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_dir=str(folder / "kv")),
+                     target=tiny_model)
 
     def before(folder: Path) -> None:  # a first process writes the document's blocks while the folder takes them
         first = engine(folder)

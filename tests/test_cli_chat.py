@@ -83,7 +83,8 @@ def test_ctrl_c_during_the_prefill_leaves_no_empty_turn(tiny_model):
 
 
 def test_documents_are_the_long_context(tiny_model):
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)), target=tiny_model)
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)),
+                   target=tiny_model)
     chat, out = session(engine, ["What was planted?"], documents=[LONG_TURN * 3])
     chat.loop()
     assert "chunks retrieved" in out.getvalue()

@@ -200,7 +200,8 @@ def test_a_drafter_prefilled_beside_the_target_joins_under_the_cost_schedule(tin
 
     if not llama_cpp_available():
         pytest.skip("llama-cpp-python is not installed")
-    rapid = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_prefill="beside"), target=tiny_model, drafter=str(write_tiny_gguf(tiny_model, tmp_path / "self.gguf")))
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_prefill="beside"),
+                  target=tiny_model, drafter=str(write_tiny_gguf(tiny_model, tmp_path / "self.gguf")))
     rapid.costs = StaticCosts()
     lc = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=32, ignore_eos=True)
     out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, max_new_tokens=32, ignore_eos=True,
@@ -288,7 +289,8 @@ def test_speculative_metrics_in_vllms_schema(tiny_model):
 
 def test_a_retrieval_that_refuses_the_request_leaves_the_answer_to_the_target(tiny_model):
     """The preparation runs after the first token: a budget below every chunk ends it, not the answer."""
-    rapid = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=1), drafter_backend="torch"), target=tiny_model)
+    rapid = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=1), drafter_backend="torch"),
+                  target=tiny_model)
     rapid.costs = StaticCosts()
     lc = rapid.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=30, ignore_eos=True)
     out = rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=30, ignore_eos=True)

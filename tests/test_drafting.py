@@ -43,7 +43,8 @@ def test_the_drafter_prompt_is_the_view_of_the_target_prompt(tiny_model):
 
 @pytest.mark.parametrize("drafter", ["self", "other"])
 def test_greedy_magicdec_equals_lc_and_drafts_from_the_short_view(tiny_model, other_tiny_model, drafter):
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=tiny_model, drafter=other_tiny_model if drafter == "other" else None)
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")),
+                   target=tiny_model, drafter=other_tiny_model if drafter == "other" else None)
     expected = engine.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24, ignore_eos=True)
     got = engine.generate(DOCUMENT, QUESTION, mode="magicdec", streaming_tokens=128, gamma=4, max_new_tokens=24,
                           ignore_eos=True)
@@ -66,13 +67,15 @@ def test_bad_streaming_options_are_clear_errors(options, message):
 
 
 def test_bad_retrieval_on_purpose_random_chunks_and_another_corpus(tiny_model):
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="random", chunk_tokens=64, budget_tokens=192)), target=tiny_model)
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="random", chunk_tokens=64, budget_tokens=192)),
+                   target=tiny_model)
     first = engine.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=4)
     again = engine.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=4)
     spans = [c.span for c in first.retrieval.chunks]
     assert spans == [c.span for c in again.retrieval.chunks]  # reproducible
     assert 0 < first.retrieval.num_tokens <= 192
-    bm25 = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=192)), target=tiny_model)
+    bm25 = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=192)),
+                 target=tiny_model)
     assert spans != [c.span for c in bm25.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=4).retrieval.chunks]
     other = "\n\n".join(f"Orchard row {i} grew {i * 3} pears." for i in range(40))
     unrelated = bm25.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=4, corpus=other)
@@ -97,7 +100,8 @@ def test_lookup_proposes_the_continuation_of_the_latest_match():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_lookup_mode_is_lossless(tiny_model, temperature):
     """Mode lookup drafts from the retrieved text and the answer; greedy equals lc, a seed gives the same run."""
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=256)), target=tiny_model)
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=256)),
+                   target=tiny_model)
     options = {"max_new_tokens": 40, "gamma": 4, "temperature": temperature, "seed": 7}
     out = engine.generate(DOCUMENT, QUESTION, mode="lookup", **options)
     assert out.stats.rounds > 0 and out.stats.drafter == "lookup"

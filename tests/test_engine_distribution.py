@@ -132,7 +132,8 @@ def test_sampled_sequences_follow_the_target(markov_pair, mode, eta, confidence)
     correct engine each case fails with probability 1e-4.
     """
     target, drafter, states = markov_pair
-    rapid = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=target, drafter=drafter)  # 3000 stored caches: slow
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False),
+                  target=target, drafter=drafter)  # 3000 stored caches: slow
     generator = torch.Generator().manual_seed(11)
     n = 3000
     index = {s: i for i, s in enumerate(states)}
@@ -165,7 +166,8 @@ def test_cost_schedule_sampled_sequences_follow_the_target(markov_pair, mode, et
     produce. With a correct engine each case fails with probability 1e-4.
     """
     target, drafter, states = markov_pair
-    rapid = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False), target=target, drafter=drafter)  # 3000 stored caches: slow
+    rapid = Rapid(spec_of(retrieval=RETRIEVAL, reuse_document_cache=False),
+                  target=target, drafter=drafter)  # 3000 stored caches: slow
     config = DecodeConfig(mode=mode, eta=eta, gamma=1, gamma_schedule="cost", temperature=1.0, max_new_tokens=5)
     prompts = rapid.document_prompts(DOCUMENT, QUESTION, config)
     generator = torch.Generator().manual_seed(12)

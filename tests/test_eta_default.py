@@ -93,7 +93,9 @@ def test_bench_labels_the_eta_its_engine_ran(tiny_model, small_and_large):
     from rapidspec.bench import speed
     from rapidspec.retrieval import RetrievalConfig
 
-    engine = Rapid(spec_of(drafter_backend="torch", reuse_document_cache=False, retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)), target=tiny_model, drafter=small_and_large[1])
+    retrieval = RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)
+    engine = Rapid(spec_of(drafter_backend="torch", reuse_document_cache=False, retrieval=retrieval),
+                   target=tiny_model, drafter=small_and_large[1])
     assert engine.drafter_relation == "larger" and DEFAULT_ETA["larger"] != DEFAULT_ETA["self"]
     report = speed.run_benchmark(engine, [speed.BenchItem("The cat sat on the mat. " * 20, "Where did the cat sit?")],
                                  ("lc", "rapid"), DecodeConfig(max_new_tokens=3), repeats=1, warmup=False)

@@ -102,8 +102,8 @@ def schema(i: int) -> dict:
 def server(tiny_model, tiny_model_dir):
     """A fresh engine: its target on the lean forward (rope tables grown on demand), its drafter given by name."""
     target = dataclasses.replace(tiny_model, lean=LeanModel(tiny_model.model))
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64,
-                                                                              budget_tokens=128)), target=target, drafter=str(tiny_model_dir))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=64, budget_tokens=128)),
+                   target=target, drafter=str(tiny_model_dir))
     with running_server(engine, max_num_seqs=4, max_queue=THREADS) as url:
         yield url
 

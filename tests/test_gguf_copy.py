@@ -68,7 +68,8 @@ def test_a_q4_1_drafter_reads_its_q8_0_copy_made_once(tiny_model, q4_1_file, tmp
     copy = copy_path(q4_1_file, "Q8_0")
     assert copy.is_file() and copy.parent.parent == tmp_path
     written = copy.stat().st_mtime_ns
-    lc = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24)
+    lc = Rapid(spec_of(retrieval=RETRIEVAL),
+               target=tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24)
     out = engine.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, gamma=4, max_new_tokens=24)
     assert out.token_ids == lc.token_ids and out.stats.drafted_tokens > 0  # greedy, eta = 0: the target's answer
 
@@ -84,7 +85,8 @@ def test_a_q4_1_drafter_reads_its_q8_0_copy_made_once(tiny_model, q4_1_file, tmp
 
 def test_as_is_reads_the_file_itself(tiny_model, q4_1_file, tmp_path, monkeypatch):
     monkeypatch.setenv("RAPIDSPEC_CACHE", str(tmp_path))
-    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="as-is"), target=tiny_model, drafter=str(q4_1_file))
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="as-is"),
+                   target=tiny_model, drafter=str(q4_1_file))
     assert engine.drafter_label.endswith("(llama.cpp, tiny, Q4_1)")
     assert not (tmp_path / "gguf-copies").exists()
 
@@ -93,7 +95,8 @@ def test_a_bad_choice_is_a_clear_error(tiny_model, q4_1_file):
     with pytest.raises(RapidspecError, match="drafter_gguf must be one of auto, as-is"):
         ModelSpec(drafter_gguf="q8")
     with pytest.raises(RapidspecError, match="drafter_gguf must be one of"):
-        Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="q8"), target=tiny_model, drafter=str(q4_1_file))
+        Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp", drafter_gguf="q8"),
+              target=tiny_model, drafter=str(q4_1_file))
 
 
 def test_a_cache_that_cannot_be_written_reads_the_file_as_it_is(tiny_model, q4_1_file, tmp_path, monkeypatch, caplog):
@@ -101,7 +104,8 @@ def test_a_cache_that_cannot_be_written_reads_the_file_as_it_is(tiny_model, q4_1
     blocked.write_text("")
     monkeypatch.setenv("RAPIDSPEC_CACHE", str(blocked))
     with caplog.at_level("WARNING", logger="rapidspec.drafting.backends"):
-        engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp"), target=tiny_model, drafter=str(q4_1_file))
+        engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="llama.cpp"),
+                       target=tiny_model, drafter=str(q4_1_file))
     assert engine.drafter_label.endswith("Q4_1)")
     assert "no Q8_0 copy for fast prefill" in caplog.text
     out = engine.generate(DOCUMENT, QUESTION, mode="rapid", eta=0.0, gamma=4, max_new_tokens=8)

@@ -128,7 +128,8 @@ def test_a_tensor_that_is_not_the_layers_is_refused(quantized_files):
 def test_rapid_equals_lc_token_for_token_at_the_files_precision(quantized_files):
     """With eta = 0 the low-bit target's greedy answer is lc's, whatever the drafter drafts."""
     target = load_model(str(quantized_files["Q4_0"]), dtype="float32", quantize="gguf")
-    rapid = Rapid(spec_of(drafter_backend="torch"), target=target, drafter=None)  # the self-drafter shares the low-bit layers
+    rapid = Rapid(spec_of(drafter_backend="torch"),
+                  target=target, drafter=None)  # the self-drafter shares the low-bit layers
     document = "\n\n".join(f"Note {i}: the gate code is {i * 7 % 10}." for i in range(40))
     lc = rapid.generate(document, "What is the gate code?", mode="lc", max_new_tokens=24, ignore_eos=True)
     out = rapid.generate(document, "What is the gate code?", mode="rapid", eta=0.0, max_new_tokens=24,

@@ -33,7 +33,8 @@ def test_greedy_rapid_eta_zero_reproduces_lc_exactly(builtin_fp32):
 def test_low_bit_self_drafter_keeps_greedy_equality_and_accepts(builtin_fp32, method):
     """The int8 / int4 kernel paths on real weights: exactness holds and drafts stay useful."""
     item = demo_document(target_tokens=4000, tokenizer=builtin_fp32.tokenizer)
-    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=builtin_fp32, drafter=low_bit_copy(builtin_fp32, method, name="self"))
+    engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")),
+                   target=builtin_fp32, drafter=low_bit_copy(builtin_fp32, method, name="self"))
     lc = engine.generate(item.document, item.question, mode="lc", max_new_tokens=32)
     ragsd = engine.generate(item.document, item.question, mode="ragsd", gamma=6, max_new_tokens=32,
                             drafter_start="first")  # the drafter in every round: its kernels run

@@ -281,7 +281,8 @@ def test_a_second_engine_answers_from_the_blocks_the_first_wrote(tiny_model, tmp
     assert two.stats.target_prefill_disk_tokens == prompt - 1  # the whole prompt but its last token (the first step)
     assert two.stats.target_prefill_reused_tokens == two.stats.target_prefill_disk_tokens
     assert two.token_ids == one.token_ids and two.text == one.text
-    off = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0, kv_cache_dir=str(tmp_path)), target=tiny_model)
+    off = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0, kv_cache_dir=str(tmp_path)),
+                target=tiny_model)
     assert off.disk_store is None
     assert off.generate(document, question, mode="lc", max_new_tokens=4).stats.target_prefill_disk_tokens == 0
 

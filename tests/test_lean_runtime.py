@@ -175,7 +175,8 @@ def test_quantised_drafter_runs_its_kernels_on_the_lean_path(byte_tokenizer, met
 def test_greedy_lean_equals_transformers_lc_token_for_token(tiny, byte_tokenizer, mode):
     """Invariant 1 on the lean path: eta = 0 greedy equals the target's own greedy output (fp32)."""
     drafter = with_lean(make_tiny_model(1, byte_tokenizer))
-    reference = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24, ignore_eos=True)
+    reference = Rapid(spec_of(retrieval=RETRIEVAL),
+                      target=tiny).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=24, ignore_eos=True)
     lean = Rapid(spec_of(retrieval=RETRIEVAL), target=with_lean(tiny), drafter=None if mode == "lc" else drafter)
     output = lean.generate(DOCUMENT, QUESTION, mode=mode, max_new_tokens=24, ignore_eos=True, gamma=3)
     assert output.token_ids == reference.token_ids
@@ -184,8 +185,10 @@ def test_greedy_lean_equals_transformers_lc_token_for_token(tiny, byte_tokenizer
 def test_rapid_on_the_lean_path_equals_rapid_on_transformers(tiny, byte_tokenizer):
     drafter = make_tiny_model(1, byte_tokenizer)
     options = dict(mode="rapid", eta=3.0, max_new_tokens=24, ignore_eos=True, gamma=4)
-    reference = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny, drafter=drafter).generate(DOCUMENT, QUESTION, **options)
-    lean = Rapid(spec_of(retrieval=RETRIEVAL), target=with_lean(tiny), drafter=with_lean(drafter)).generate(DOCUMENT, QUESTION, **options)
+    reference = Rapid(spec_of(retrieval=RETRIEVAL),
+                      target=tiny, drafter=drafter).generate(DOCUMENT, QUESTION, **options)
+    lean = Rapid(spec_of(retrieval=RETRIEVAL),
+                 target=with_lean(tiny), drafter=with_lean(drafter)).generate(DOCUMENT, QUESTION, **options)
     assert lean.token_ids == reference.token_ids
 
 

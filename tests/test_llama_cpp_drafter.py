@@ -59,7 +59,8 @@ def test_the_drafter_runs_on_llama_cpp(tiny_model, ggufs):
 @pytest.mark.parametrize("drafter_kind", ["self", "random"])
 def test_greedy_eta_zero_equals_lc(tiny_model, ggufs, mode, drafter_kind):
     """Invariant 1 with q from llama.cpp: eta = 0 greedy reproduces target-only greedy."""
-    lc = Rapid(spec_of(retrieval=RETRIEVAL), target=tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
+    lc = Rapid(spec_of(retrieval=RETRIEVAL),
+               target=tiny_model).generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=40)
     out = llama_engine(tiny_model, ggufs[drafter_kind]).generate(
         DOCUMENT, QUESTION, mode=mode, eta=0.0, gamma=4, max_new_tokens=40
     )

@@ -93,7 +93,8 @@ def test_lc_follows_the_penalised_target(tiny_model):
 @pytest.mark.parametrize("mode", ["sd", "ragsd", "rapid", "magicdec", "lookup"])
 def test_greedy_drafting_at_eta_zero_equals_penalised_lc(tiny_model, other_tiny_model, drafter, mode):
     """Drafts are penalised along their path as the target's rows are, so at eta = 0 nothing changes the answer."""
-    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="torch"), target=tiny_model, drafter=other_tiny_model if drafter else None)
+    engine = Rapid(spec_of(retrieval=RETRIEVAL, drafter_backend="torch"),
+                   target=tiny_model, drafter=other_tiny_model if drafter else None)
     lc = engine.generate(DOCUMENT, QUESTION, mode="lc", max_new_tokens=32, **PENALTIES)
     eta = {"eta": 0.0} if mode == "rapid" else {}
     out = engine.generate(DOCUMENT, QUESTION, mode=mode, max_new_tokens=32, gamma=4, gamma_schedule="constant",

@@ -93,7 +93,8 @@ def test_a_prefill_beside_other_requests_yields_every_shared_tokens(tiny_model):
             "documents": [DOCUMENT], "max_tokens": 2, "temperature": 0, "mode": "lc"}
     long_answer = {"model": "tiny", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 4000,
                    "ignore_eos": True, "mode": "lc", "stream": True}
-    rapid = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), prefill_chunk_tokens=1024, kv_cache_gib=0), target=tiny_model)
+    rapid = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), prefill_chunk_tokens=1024, kv_cache_gib=0),
+                  target=tiny_model)
     for shared, steps_beside in ((32, {32}), (0, {1024})):
         with running_server(rapid, shared_prefill_tokens=shared, max_num_seqs=2) as url:
             alone = _progress(url, body | {"documents": [DOCUMENT.replace("ferry", f"barge {shared}")]})

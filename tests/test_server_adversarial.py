@@ -35,7 +35,8 @@ EXAMPLES = 50  # schemathesis bodies per (completion route, mode); half that for
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, other_tiny_model):
-    return CappedEngine(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=tiny_model, drafter=other_tiny_model))
+    return CappedEngine(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")),
+                              target=tiny_model, drafter=other_tiny_model))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ def test_two_turn_chat_reuses_the_history_and_keeps_greedy_equality(smollm2):
     if history[-1]["role"] == "user":
         history.append({"role": "assistant", "content": "Noted."})
     first_turn = history + [{"role": "user", "content": item.question}]
-    lc = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0), target=target).chat(  # leaves nothing on disk:
+    lc = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25"), kv_cache_gib=0),
+               target=target).chat(  # leaves nothing on disk:
         first_turn, mode="lc", max_new_tokens=24)                                         # the server's first turn reads it all
 
     engine = Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=target)

@@ -69,8 +69,8 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_model
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, other_tiny_model):
-    return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96,
-                                                                          budget_tokens=200)), target=tiny_model, drafter=other_tiny_model)
+    return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)),
+                 target=tiny_model, drafter=other_tiny_model)
 
 
 def test_the_drain_ends_at_its_time_limit_and_cancels_what_still_runs(engine):

@@ -26,7 +26,8 @@ from tests.specs import spec_of
 
 @pytest.fixture(scope="module")
 def server(tiny_model, other_tiny_model):
-    engine = CappedEngine(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=tiny_model, drafter=other_tiny_model))
+    engine = CappedEngine(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")),
+                                target=tiny_model, drafter=other_tiny_model))
     with running_server(engine, max_document_tokens=8192) as url:
         yield url
 

@@ -21,7 +21,8 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)), target=tiny_model)
+    return Rapid(spec_of(retrieval=RetrievalConfig(method="bm25", chunk_tokens=96, budget_tokens=200)),
+                 target=tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,8 @@ def server(tiny_model, other_tiny_model, byte_tokenizer):
     tokenizer.chat_template = TEMPLATE
     target = dataclasses.replace(tiny_model, tokenizer=tokenizer)
     drafter = dataclasses.replace(other_tiny_model, tokenizer=tokenizer)
-    with running_server(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=target, drafter=drafter)) as url:
+    with running_server(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")),
+                              target=target, drafter=drafter)) as url:
         yield url
 
 

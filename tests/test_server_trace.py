@@ -19,7 +19,8 @@ ASK = {"model": "tiny", "messages": [{"role": "user", "content": "What colour wa
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    with running_server(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")), target=tiny_model), api_key="k") as url:
+    with running_server(Rapid(spec_of(retrieval=RetrievalConfig(method="bm25")),
+                              target=tiny_model), api_key="k") as url:
         yield url
 
 
