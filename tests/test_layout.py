@@ -226,3 +226,14 @@ def test_bench_logic_lives_in_bench_and_the_command_line_only_parses_and_prints(
         assert not {"Table", "Peer"} & {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
                                           and isinstance(n.func, ast.Name)}, path.name
         assert defined <= {"register", "run", "_requests", "_max_tokens", "_launch_config", "_result_file"}, defined
+
+
+def test_drafter_pools_are_made_in_one_place():
+    """An engine's factory and RAPID's proposer inside vLLM make their drafter pools with the same function, so the
+    backend choice and the drafter options apply alike."""
+    makers = sorted(str(p.relative_to(PACKAGE)) for p in files() for node in ast.walk(ast.parse(p.read_text("utf-8")))
+                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("LlamaCppDrafters", "TorchDrafters"))
+    callers = sorted(str(p.relative_to(PACKAGE)) for p in files() if "new_pool(" in p.read_text("utf-8"))
+    assert makers == ["drafting/factory.py", "drafting/factory.py"]
+    assert callers == ["drafting/factory.py", "vllm/drafter_source.py"]

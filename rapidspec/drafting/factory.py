@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -44,6 +45,23 @@ def spare_cores() -> int:
     return usable - compute_threads()
 
 
+def new_pool(backend: str, target, source, tokenizer, options: ModelSpec, torch_model: Callable[[], object],
+             prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS, keep: bool = True,
+             kv_cache: tuple[int, str | None] = (0, None), name: str | None = None):
+    """The drafter pool of ``backend`` (``auto`` decided by :func:`~rapidspec.models.backend.choose_backend`) for
+    ``source`` (None: the target's weights, a loaded model or a name) drafting for ``target`` (anything with a
+    ``device``; its GGUF file when ``source`` is None): llama.cpp contexts of its GGUF file with the drafter options
+    of ``options``, or torch caches of ``torch_model()``. The one place pools are made: an engine's factory and
+    RAPID's proposer inside vLLM (:mod:`rapidspec.vllm.drafter_source`)."""
+    backend = choose_backend(backend, target, source)
+    name = name or ("self" if source is None else getattr(source, "label", str(source)))
+    if backend == "llama.cpp":
+        threads = compute_threads() if options.drafter_threads is None else options.drafter_threads
+        return LlamaCppDrafters(gguf_file(target if source is None else source), threads, tokenizer, name, keep=keep,
+                                gguf=options.drafter_gguf, kv_cache=kv_cache)
+    return TorchDrafters(torch_model(), prefill_chunk_tokens, name, keep=keep)
+
+
 class DrafterFactory:
     """The drafters of one engine over ``target``: see the module docstring."""
 
@@ -58,6 +76,7 @@ class DrafterFactory:
             check_same_vocabulary(target.tokenizer, drafter.tokenizer)
         self.target = target
         self._source = drafter  # None, a loaded model, or a name (loaded on first torch use)
+        self.options = options
         self.threads = compute_threads() if options.drafter_threads is None else options.drafter_threads
         self.prefill_chunk_tokens, self.keep, self.kv_cache = prefill_chunk_tokens, keep, kv_cache
         self.prefill = options.drafter_prefill
@@ -113,14 +132,8 @@ class DrafterFactory:
 
     def _make_pool(self, backend: str):
         """A new pool of ``backend``, checked once when it is made (not on every request)."""
-        backend = choose_backend(backend, self.target, self._source)
-        source = self._source
-        name = "self" if source is None else getattr(source, "label", str(source))
-        if backend == "llama.cpp":
-            gguf = gguf_file(self.target if source is None else source)
-            return LlamaCppDrafters(gguf, self.threads, self.target.tokenizer, name, keep=self.keep, gguf=self.gguf,
-                                    kv_cache=self.kv_cache)
-        return TorchDrafters(self.model, self.prefill_chunk_tokens, name, keep=self.keep)
+        return new_pool(backend, self.target, self._source, self.target.tokenizer, self.options, lambda: self.model,
+                        self.prefill_chunk_tokens, keep=self.keep, kv_cache=self.kv_cache)
 
     def max_context(self, config) -> int | None:
         """The drafter's window for ``config`` (None: no model drafter, or no limit of its own)."""

@@ -4,8 +4,8 @@ The drafter is ``ProposerOptions.drafter`` when given, else what
 ``rapidspec.json`` in vLLM's model folder names (``rapidspec models export``
 writes it: the GGUF file the folder was made from, else the model's rapidspec
 name), else vLLM's model folder itself. On a CPU a drafter with a GGUF file
-drafts on llama.cpp, chosen by rapidspec's own engine's rule
-(:func:`rapidspec.models.backend.choose_backend`); elsewhere torch loads it
+drafts on llama.cpp, chosen and made as rapidspec's own engine does
+(:func:`rapidspec.drafting.factory.new_pool`); elsewhere torch loads it
 on vLLM's device.
 """
 
@@ -18,13 +18,10 @@ from types import SimpleNamespace
 
 import torch
 
-from rapidspec.config import DEFAULT_PREFILL_CHUNK_TOKENS
-from rapidspec.drafting.backends import LlamaCppDrafters, TorchDrafters
+from rapidspec.drafting.factory import new_pool
 from rapidspec.errors import RapidspecError
-from rapidspec.models.backend import choose_backend
-from rapidspec.models.loading import resolve_source
+from rapidspec.models.spec import ModelSpec
 from rapidspec.runtime.llama_cpp import llama_cpp_available
-from rapidspec.runtime.threads import compute_threads
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +49,20 @@ def drafter_source(chosen: str | None, folder: Path) -> str:
 
 
 def drafter_pool(options, folder: Path, tokenizer, device: torch.device):
-    """The :class:`~rapidspec.drafting.backends.DrafterPool` of the drafter ``options`` and ``folder`` name."""
+    """The :class:`~rapidspec.drafting.backends.DrafterPool` of the drafter ``options`` and ``folder`` name, made
+    where an engine's are (:func:`rapidspec.drafting.factory.new_pool`), for a target on vLLM's ``device``."""
     source = drafter_source(options.drafter, folder)
-    name = "self" if Path(source) == folder else Path(source).name
     if options.drafter_backend == "llama.cpp" and not llama_cpp_available():
         raise RapidspecError("drafter backend 'llama.cpp' needs llama-cpp-python in vLLM's venv (`make vllm`)")
-    # the engine's choice (rapidspec.models.backend), for a target on vLLM's device and the drafter named
-    if choose_backend(options.drafter_backend, SimpleNamespace(device=device), source) == "llama.cpp":
-        return LlamaCppDrafters(resolve_source(source)[1], options.drafter_threads or compute_threads(), tokenizer,
-                                name)
-    from rapidspec.models import load_model
-    from rapidspec.models.vocabulary import check_same_vocabulary
 
-    loaded = load_model(source, device=device)
-    check_same_vocabulary(tokenizer, loaded.tokenizer)
-    return TorchDrafters(loaded, DEFAULT_PREFILL_CHUNK_TOKENS, name)
+    def torch_model():
+        from rapidspec.models import load_model
+        from rapidspec.models.vocabulary import check_same_vocabulary
+
+        loaded = load_model(source, device=device)
+        check_same_vocabulary(tokenizer, loaded.tokenizer)
+        return loaded
+
+    spec = ModelSpec(drafter_backend=options.drafter_backend, drafter_threads=options.drafter_threads)
+    return new_pool(options.drafter_backend, SimpleNamespace(device=device), source, tokenizer, spec, torch_model,
+                    name="self" if Path(source) == folder else Path(source).name)
