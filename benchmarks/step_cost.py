@@ -213,6 +213,8 @@ def measure(args, pairs: dict, bandwidth: float, flops: float, console: Console)
         if args.profile and length == args.lengths[-1]:
             for runtime, cache in caches.items():
                 profile_step(cache, ids[length - 1 : length], f"{runtime}, one plain step after {length - 1} tokens")
+                profile_step(cache, ids[length - 1 : length - 1 + args.verify_tokens],
+                             f"{runtime}, one verification of {args.verify_tokens} tokens after {length - 1} tokens")
         del caches
     return rows
 
@@ -250,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth-megabytes", type=int, default=512, help="buffer summed to measure bandwidth")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: the GPU where there is one)")
     parser.add_argument("--profile", action="store_true",
-                        help="also print the operators of one plain step per runtime at the last length")
+                        help="also print the operators of one plain step and one verification per runtime at the "
+                             "last length")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:

@@ -45,8 +45,9 @@ def test_a_run_prints_a_table_and_a_json_line(tiny_model_dir, capsys):
     captured = capsys.readouterr()
     result = json.loads(captured.out.strip().splitlines()[-1])
     assert result["device"] == "cpu"
-    for runtime in ("lean", "transformers"):  # --profile: one plain step per runtime at the last length, by operator
+    for runtime in ("lean", "transformers"):  # --profile: one plain step and one verification per runtime, by operator
         assert f"{runtime}, one plain step after 127 tokens: host time by operator" in captured.err
+        assert f"{runtime}, one verification of 7 tokens after 127 tokens: host time by operator" in captured.err
     assert "device time by operator" not in captured.err  # a CPU has no device time
     rows = result["rows"]
     assert [(r["runtime"], r["length"]) for r in rows] == [("lean", 64), ("transformers", 64), ("lean", 128), ("transformers", 128)]
