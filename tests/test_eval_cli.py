@@ -66,7 +66,8 @@ def test_eval_builds_its_engine_from_every_drafter_option(tiny_cli, tmp_path, mo
     assert main(["eval", "--data", str(data), "--modes", "rapid", "--max-new-tokens", "2", "--drafter-threads", "1",
                  "--drafter-prefill", "after", "--drafter-gguf", "as-is", "--json-only", *SMALL_RETRIEVAL]) == 0
     (engine,) = built
-    assert (engine.drafting.threads, engine.drafting.prefill, engine.drafting.gguf) == (1, "after", "as-is")
+    options = engine.drafting.options
+    assert (engine.drafting.threads, options.drafter_prefill, options.drafter_gguf) == (1, "after", "as-is")
     assert engine.retriever.config.method == "bm25" and engine.retriever.config.budget_tokens == 128
 
 def test_eval_synthetic_and_leval(tiny_cli, tmp_path, capsys):

@@ -14,7 +14,8 @@ def test_the_spec_builds_the_engine_around_models_passed_in(tiny_model, other_ti
                       reuse_document_cache=False, prefix_cache_gib=0.25, kv_cache_gib=0)
     engine = Rapid(spec, target=tiny_model, drafter=other_tiny_model)
     assert engine.spec is spec and engine.target is tiny_model and engine.drafter is other_tiny_model
-    assert (engine.drafting.backend, engine.drafting.prefill, engine.drafting.threads) == ("torch", "after", 1)
+    assert engine.drafting.options is spec.models
+    assert (engine.drafting.backend, engine.drafting.threads) == ("torch", 1)
     assert engine.retriever.config.budget_tokens == 96 and engine.prefill_chunk_tokens == 64
     assert not engine.reuse_document_cache and engine.disk_store is None
     assert engine.prefix_cache.max_bytes == 2**28

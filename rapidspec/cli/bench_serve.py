@@ -132,9 +132,10 @@ def run(args: argparse.Namespace) -> int:
     )
     launch = _launch_config(args)
     result_file = _result_file(args.result_file)
-    options = PeerOptions(args.peer, args.target, args.peer_gguf, args.peer_model, args.peer_parallel, args.peer_threads,
-                          args.peer_args, args.peer_speculation, args.peer_draft_gguf, args.peer_speculative_tokens,
-                          args.server_timeout)
+    options = PeerOptions(peer=args.peer, target=args.target, gguf=args.peer_gguf, model=args.peer_model,
+                          parallel=args.peer_parallel, threads=args.peer_threads, args=args.peer_args,
+                          speculation=args.peer_speculation, draft_gguf=args.peer_draft_gguf,
+                          speculative_tokens=args.peer_speculative_tokens, server_timeout=args.server_timeout)
     with contextlib.ExitStack() as stack:
         stack.enter_context(terminate_as_interrupt())  # servers started here are stopped on SIGTERM too
         peers = plan_peers(options, config, requests, stack)

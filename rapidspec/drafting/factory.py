@@ -79,8 +79,6 @@ class DrafterFactory:
         self.options = options
         self.threads = compute_threads() if options.drafter_threads is None else options.drafter_threads
         self.prefill_chunk_tokens, self.keep, self.kv_cache = prefill_chunk_tokens, keep, kv_cache
-        self.prefill = options.drafter_prefill
-        self.gguf = options.drafter_gguf  # what a llama.cpp pool reads (rapidspec.runtime.gguf_copy)
         self._beside: ThreadPoolExecutor | None = None
         self.backend = choose_backend(options.drafter_backend, target, drafter)
         self._pools: dict[str, object] = {}
@@ -188,13 +186,13 @@ class DrafterFactory:
 
     def prefills_beside(self, config) -> bool:
         """Whether this generation's drafter prefills while the target prefills (module docstring)."""
-        if self.prefill == "after" or MODE_TABLE[config.mode].drafter_kind != "model":
+        if self.options.drafter_prefill == "after" or MODE_TABLE[config.mode].drafter_kind != "model":
             return False
         backend = choose_backend(config.drafter_backend, self.target, self._source) \
             if config.drafter_backend != "auto" else self.backend
         if backend != "llama.cpp":
             return False
-        return self.prefill == "beside" or spare_cores() >= self.threads
+        return self.options.drafter_prefill == "beside" or spare_cores() >= self.threads
 
     def start_beside(self, prompts, config, stats, device: torch.device) -> Future | None:
         """:meth:`start` on the factory's own thread when :meth:`prefills_beside` (else None), retrieval first

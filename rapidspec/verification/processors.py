@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -36,8 +37,9 @@ class LogitsProcessors:
     grammar: object | None = None
     penalties: object | None = None
 
-    @property
+    @cached_property
     def processors(self) -> tuple[LogitsProcessor, ...]:
+        """The ones present, in order (made once: every drafted token and every verification asks)."""
         return tuple(p for p in (self.grammar, self.penalties) if p is not None)
 
     def rows(self, logits: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
