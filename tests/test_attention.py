@@ -12,13 +12,14 @@ import torch
 
 from rapidspec.runtime import attention
 from rapidspec.runtime.attention import grouped_matmul_attention, register, short_query_path
+from rapidspec.runtime.grouped_attention import split_product
 from rapidspec.runtime.cache import KVCache
 from tests.conftest import make_tiny_model
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(params=["matmul", "batched", "sdpa"])
+@pytest.fixture(params=["matmul", "split", "batched", "sdpa"])
 def forced_path(request, monkeypatch):
     """Run each model-level test with short queries on either path (the tiny heads never reach the thresholds)."""
     monkeypatch.setattr(attention, "SHORT_QUERY_PATH", request.param)
@@ -191,8 +192,8 @@ def test_grouped_matmul_attention_equals_repeated_heads(mask_kind, q_len):
     additive = torch.randn(batch, 1, q_len, kv_len, generator=generator)
     mask = {"none": None, "causal": causal, "padding": padded, "additive": additive}[mask_kind]
     expected = _repeat_kv_reference(query, key, value, mask, 0.25)
-    for batched in (False, True):
-        got = grouped_matmul_attention(query, key, value, mask, 0.25, batched=batched)
+    for path in ("matmul", "split", "batched"):
+        got = grouped_matmul_attention(query, key, value, mask, 0.25, path=path)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -209,5 +210,22 @@ def test_a_power_of_two_scale_on_the_queries_gives_the_same_numbers_as_on_the_sc
     stacked = query.reshape(1, kv_heads, heads // kv_heads * q_len, dim)[0]  # [kv, g*q, d]
     scores = torch.bmm(stacked, key[0].transpose(1, 2)).mul_(scaling)  # [kv, g*q, n], scaled after the product
     expected = torch.bmm(scores.softmax(-1), value[0]).reshape(1, heads, q_len, dim)
-    got = grouped_matmul_attention(query, key, value, None, scaling, batched=True)
+    got = grouped_matmul_attention(query, key, value, None, scaling, path="batched")
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("parts, kv_len", [(2, 50), (3, 50), (4, 4), (2, 3)])
+def test_the_split_product_sums_its_parts_of_the_keys_to_the_whole_product(parts, kv_len):
+    """``split``'s probabilities-values product in ``parts`` runs of the keys (a remainder added on its own)."""
+    generator = torch.Generator().manual_seed(parts * kv_len)
+    probs = torch.randn(14, kv_len, generator=generator).softmax(-1)  # [rows, n]
+    value = torch.randn(kv_len + 5, 16, generator=generator)[:kv_len]  # [n, d], a view of a longer buffer
+    torch.testing.assert_close(split_product(probs, value, parts), probs @ value, atol=1e-6, rtol=1e-6)
+    half = split_product(probs.bfloat16(), value.bfloat16(), parts)
+    assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), probs @ value, atol=2e-2)
+
+
+def test_an_unknown_grouped_path_is_refused():
+    query, key = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="path must be one of"):
+        grouped_matmul_attention(query, key, key, None, 1.0, path="flash")

@@ -39,7 +39,7 @@ def no_mask_of_context_size(monkeypatch):
     assert all(not isinstance(mask, torch.Tensor) for mask in masks), [getattr(m, "shape", m) for m in masks]
 
 
-@pytest.mark.parametrize("path", ["sdpa", "matmul", "batched"])
+@pytest.mark.parametrize("path", ["sdpa", "matmul", "split", "batched"])
 @pytest.mark.parametrize("q_len, kv_len", [(7, 300), (64, 64), (200, 1000), (1, 500)])
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
 def test_lower_right_causal_equals_the_dense_mask(monkeypatch, no_mask_of_context_size, path, q_len, kv_len,
@@ -70,6 +70,39 @@ def test_a_chunked_lean_prefill_builds_no_mask_and_gives_the_unchunked_logits(ti
     again.prefill(token_ids)
     assert torch.allclose(verified, torch.cat([again.forward([t]) for t in (5, 6, 7, 8)]), atol=1e-4)
 
+
+
+@pytest.mark.parametrize("path", ["sdpa", "matmul", "split"])
+def test_a_long_cpu_query_is_attended_in_blocks_each_over_the_keys_up_to_its_last_row(monkeypatch, path):
+    """A query longer than MATMUL_MAX_QUERY runs as blocks of at most that many rows, each a short query aligned to
+    the end of its own keys (the SDPA path included: its blocks take the CPU flash kernel); equal to the dense
+    reference."""
+    monkeypatch.setattr(attention, "SHORT_QUERY_PATH", path)
+    shapes = []
+    grouped, flash = attention.grouped_matmul_attention, attention._CPU_FLASH
+
+    def grouped_spy(query, key, *args, **kwargs):
+        shapes.append((query.shape[2], key.shape[2]))
+        return grouped(query, key, *args, **kwargs)
+
+    def flash_spy(query, key, *args, **kwargs):
+        shapes.append((query.shape[2], key.shape[2]))
+        return flash(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "grouped_matmul_attention", grouped_spy)
+    monkeypatch.setattr(attention, "_CPU_FLASH", flash_spy)
+    block = attention.MATMUL_MAX_QUERY
+    q_len, kv_len = 2 * block + 5, 300
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(2, 6, q_len, 16, generator=generator)
+    key, value = (torch.randn(2, 2, kv_len, 16, generator=generator) for _ in range(2))
+    out = causal_attention(query, key, value)
+    assert torch.allclose(out.double(), reference(query, key, value), atol=2e-5)
+    ends = [kv_len - q_len + end for end in (block, 2 * block, q_len)]
+    if path == "sdpa":  # each block: the keys before it, then its own keys with a causal mask
+        assert shapes == [shape for n, end in zip((block, block, 5), ends) for shape in ((n, end - n), (n, n))]
+    else:
+        assert shapes == list(zip((block, block, 5), ends))
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_takes_the_flash_or_memory_efficient_kernel():

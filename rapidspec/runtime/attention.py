@@ -15,8 +15,9 @@ to use it. Nothing of transformers is patched. Two paths:
   measured once per machine and shape class and kept, below): the query
   heads of each key/value group are stacked into one matrix, so attention is
   two matrix products per key/value head (or two batched products over all
-  of them) straight on the cached keys and values (no head repetition, no
-  upcast of the cache). On 2 CPU cores, per layer of Qwen2.5-1.5B at 16K
+  of them, or the second one split along the keys so that every thread
+  shares one head's long sum) straight on the cached keys and values (no
+  head repetition, no upcast of the cache). On 2 CPU cores, per layer of Qwen2.5-1.5B at 16K
   keys in bfloat16, PyTorch's ``scaled_dot_product_attention`` took about
   19 ms for one query (12.7 ms for 7), this path 0.7 ms (3.2 ms). Scores and
   probabilities are held in the model's dtype (rounded where transformers'
@@ -75,7 +76,6 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import os
 import platform
 import time
@@ -88,6 +88,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.masking_utils import sdpa_mask
 
 from rapidspec.runtime.cache_dir import cache_root, keep_json
+from rapidspec.runtime.grouped_attention import grouped_matmul_attention
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,13 @@ ATTENTION = "rapidspec_sdpa_gqa"
 #: Longest query (tokens) that may take a matrix-product path on CPU.
 MATMUL_MAX_QUERY = 32
 #: The paths a short CPU query can take: per key/value head products
-#: (``matmul``), one batched product over the key/value heads (``batched``),
-#: or PyTorch's SDPA (``sdpa``).
-SHORT_QUERY_PATHS = ("matmul", "batched", "sdpa")
+#: (``matmul``), the same with the probabilities-values product split along the
+#: keys into a batch of parts, one per thread (``split``: a product of [g*q, n]
+#: by [n, d] has a [g*q, d] result too small for a library to share between
+#: threads, so one thread summed all n keys while the others waited), one
+#: batched product over the key/value heads (``batched``), or PyTorch's SDPA
+#: (``sdpa``).
+SHORT_QUERY_PATHS = ("matmul", "split", "batched", "sdpa")
 #: How short CPU queries choose their path: ``"measure"`` (default) takes the
 #: path kept for the shape class in the choices file, measuring and keeping it
 #: the first time (:func:`fastest_short_query_path`); a name of
@@ -114,8 +119,8 @@ CHOICES_FILE_ENV = "RAPIDSPEC_ATTENTION_PATHS"
 CHOICES_FILE_NAME = "attention_paths.json"
 #: Layout of the choices file: ``{"format": 1, "machines": {machine_key: {shape class: path}}}``;
 #: a file of another format counts as empty.
-CHOICES_FORMAT = 2  # 2: measured by the fastest of 8 timings (1, medians of 5, could keep a path that lost
-# by 10x when another process held the cores during the measurement: its files are measured again)
+CHOICES_FORMAT = 3  # 2: measured by the fastest of 8 timings (1, medians of 5, could keep a path that lost
+# by 10x when another process held the cores during the measurement: its files are measured again); 3: ``split``
 
 
 def short_query_path(query: torch.Tensor, kv_heads: int, kv_len: int) -> str:
@@ -246,7 +251,8 @@ def measure_short_query_path(
     scaling = head_dim**-0.5
     candidates = {
         "matmul": lambda: grouped_matmul_attention(query, key, value, None, scaling),
-        "batched": lambda: grouped_matmul_attention(query, key, value, None, scaling, batched=True),
+        "split": lambda: grouped_matmul_attention(query, key, value, None, scaling, path="split"),
+        "batched": lambda: grouped_matmul_attention(query, key, value, None, scaling, path="batched"),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
             query, key, value, scale=scaling, enable_gqa=heads != kv_heads
         ),
@@ -264,68 +270,6 @@ def measure_short_query_path(
     return min(best, key=best.get)
 
 
-def grouped_matmul_attention(
-    query: torch.Tensor,  # [batch, heads, q_len, head_dim]
-    key: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
-    value: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
-    attention_mask: torch.Tensor | None,  # bool (True = attend) or additive float, broadcastable to [batch, 1, q_len, kv_len]
-    scaling: float,
-    batched: bool = False,
-    causal_tail: bool = False,
-) -> torch.Tensor:
-    """Attention [batch, heads, q_len, head_dim] as two matrix products per key/value group.
-
-    Query heads ``h`` of group ``j`` are ``j * groups .. (j + 1) * groups - 1``
-    (the layout of transformers' ``repeat_kv``). By default one 2-D product
-    per (sequence, key/value head): each head's [kv_len, d] block of a cache
-    is contiguous, while batched products over views of longer buffers may
-    copy them first. ``batched`` makes it one product over all heads instead,
-    fewer calls, which pays on short caches (:func:`short_query_path`).
-    ``causal_tail``: lower-right causality without a mask (only the last
-    ``q_len`` keys are masked, by a [q_len, q_len] triangle).
-    """
-    batch, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    # A power-of-two scale (head_dim 64: 1/8) is exact in any float format, so it goes on the few query
-    # rows instead of the [g*q, n] scores (the same numbers, one pass over the scores less).
-    on_query = math.frexp(scaling)[0] == 0.5
-    stacked = (query * scaling if on_query else query).reshape(batch, kv_heads, groups * q_len, head_dim)  # [b, kv, g*q, d]
-    if batched:  # torch.bmm per sequence: 4-D matmul would copy the strided cache views
-        scores = torch.stack([torch.bmm(stacked[b], key[b].transpose(1, 2)) for b in range(batch)])  # [b, kv, g*q, n]
-    else:
-        scores = query.new_empty(batch, kv_heads, groups * q_len, kv_len)
-        for b in range(batch):
-            for j in range(kv_heads):
-                torch.matmul(stacked[b, j], key[b, j].transpose(0, 1), out=scores[b, j])  # [g*q, n]
-    scores = (scores if on_query else scores.mul_(scaling)).view(batch, kv_heads, groups, q_len, kv_len)  # [b, kv, g, q, n]
-    if causal_tail and q_len > 1:
-        future = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).triu_(1)  # [q, q]
-        scores[..., kv_len - q_len :].masked_fill_(future, float("-inf"))
-    if attention_mask is not None:
-        mask = attention_mask[:, :, None]  # [b|1, 1, 1, q, n]
-        if mask.dtype == torch.bool:
-            tail = max(kv_len - q_len, 0)
-            if tail and bool(mask[..., :tail].all()):
-                scores[..., tail:].masked_fill_(~mask[..., tail:], float("-inf"))
-            else:
-                scores.masked_fill_(~mask, float("-inf"))
-        else:
-            scores.add_(mask.to(scores.dtype))
-    # PyTorch's CPU softmax computes in float32 for bfloat16/float16 inputs and
-    # rounds once, like softmax(dtype=float32).to(dtype) but without the two
-    # extra passes over [g*q, n] that cost more than the products at 16K keys.
-    probs = scores.softmax(dim=-1).view(batch, kv_heads, groups * q_len, kv_len)
-    if batched:
-        output = torch.stack([torch.bmm(probs[b], value[b]) for b in range(batch)])  # [b, kv, g*q, d]
-        return output.view(batch, heads, q_len, head_dim)  # [b, h, q, d]
-    output = query.new_empty(batch, kv_heads, groups * q_len, head_dim)
-    for b in range(batch):
-        for j in range(kv_heads):
-            torch.matmul(probs[b, j], value[b, j], out=output[b, j])  # [g*q, d]
-    return output.view(batch, heads, q_len, head_dim)  # [b, h, q, d]
-
-
 def attend(
     query: torch.Tensor,  # [batch, heads, q_len, head_dim]
     key: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
@@ -339,7 +283,7 @@ def attend(
     path = "sdpa" if is_causal or dropout_p else short_query_path(query, key.shape[1], key.shape[2])
     if path != "sdpa":
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return grouped_matmul_attention(query, key, value, mask, scaling, batched=path == "batched")
+        return grouped_matmul_attention(query, key, value, mask, scaling, path=path)
     return sdpa(query, key, value, mask, dropout_p, scaling, is_causal)
 
 
@@ -365,9 +309,11 @@ def causal_attention(
     if q_len == 1 or q_len == kv_len:
         return attend(query, key, value, None, q_len > 1, scaling, dropout_p)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if query.device.type == "cpu" and q_len > MATMUL_MAX_QUERY and not dropout_p:
+        return query_blocks(query, key, value, scaling)
     path = "sdpa" if dropout_p else short_query_path(query, key.shape[1], kv_len)
     if path != "sdpa":
-        return grouped_matmul_attention(query, key, value, None, scaling, batched=path == "batched", causal_tail=True)
+        return grouped_matmul_attention(query, key, value, None, scaling, path=path, causal_tail=True)
     if query.device.type == "cpu" and _CPU_FLASH is not None and not dropout_p:
         return split_causal_attention(query, key, value, scaling)
     if query.device.type == "cuda":
@@ -375,6 +321,23 @@ def causal_attention(
     positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]  # [q_len, 1]
     mask = (torch.arange(kv_len, device=query.device)[None, :] <= positions)[None, None]  # [1, 1, q, n], other devices
     return attend(query, key, value, mask, False, scaling, dropout_p)
+
+
+def query_blocks(query, key, value, scaling: float) -> torch.Tensor:
+    """CPU lower-right causal attention [b, h, q, d] of a long query in blocks of :data:`MATMUL_MAX_QUERY` rows.
+
+    Each block attends to the keys up to its own last position, so it is a short query aligned to the end of
+    its keys and takes the short-query path measured for its shape. Per block, the [g*q, n] scores of a key/value
+    head stay small enough for the caches: a prompt's 512-token piece after 16K tokens took 1.0 s in blocks and
+    2.0 s in PyTorch's flash kernel (or as one product), 64 tokens 0.38 s and 0.72 s (docs/speed.md).
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    blocks = []
+    for start in range(0, q_len, MATMUL_MAX_QUERY):
+        end = min(q_len, start + MATMUL_MAX_QUERY)
+        keys = kv_len - q_len + end
+        blocks.append(causal_attention(query[:, :, start:end], key[:, :, :keys], value[:, :, :keys], scaling))
+    return torch.cat(blocks, dim=2)  # [b, h, q, d]
 
 
 #: PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's scores.

@@ -1,0 +1,114 @@
+"""Grouped-query attention as matrix products: the short-query CPU paths of :mod:`rapidspec.runtime.attention`.
+
+Pure functions over tensors. The query heads of each key/value group are
+stacked into one matrix, so attention is two matrix products per key/value
+head straight on the cached keys and values, with no repetition of heads and
+no upcast of the cache. :mod:`~rapidspec.runtime.attention` measures which of
+these paths (or PyTorch's SDPA) is fastest for a shape on the machine at hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: The paths of :func:`grouped_matmul_attention`.
+PATHS = ("matmul", "split", "batched")
+
+
+def grouped_matmul_attention(
+    query: torch.Tensor,  # [batch, heads, q_len, head_dim]
+    key: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
+    value: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
+    attention_mask: torch.Tensor | None,  # bool (True = attend) or additive float, broadcastable to [batch, 1, q_len, kv_len]
+    scaling: float,
+    path: str = "matmul",
+    causal_tail: bool = False,
+) -> torch.Tensor:
+    """Attention [batch, heads, q_len, head_dim] as two matrix products per key/value group.
+
+    Query heads ``h`` of group ``j`` are ``j * groups .. (j + 1) * groups - 1``
+    (the layout of transformers' ``repeat_kv``). ``path`` (``matmul``: one 2-D
+    product per (sequence, key/value head): each head's [kv_len, d] block of a
+    cache is contiguous, while batched products over views of longer buffers
+    may copy them first; ``split``: the same, with the second product in
+    :func:`key_parts` parts of the keys (:func:`split_product`); ``batched``:
+    one product over all heads, fewer calls, which pays on short caches;
+    :func:`~rapidspec.runtime.attention.short_query_path` picks one). ``causal_tail``: lower-right causality without a
+    mask (only the last ``q_len`` keys are masked, by a [q_len, q_len] triangle).
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    batched = path == "batched"
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    # A power-of-two scale (head_dim 64: 1/8) is exact in any float format, so it goes on the few query
+    # rows instead of the [g*q, n] scores (the same numbers, one pass over the scores less).
+    on_query = math.frexp(scaling)[0] == 0.5
+    stacked = (query * scaling if on_query else query).reshape(batch, kv_heads, groups * q_len, head_dim)  # [b, kv, g*q, d]
+    if batched:  # torch.bmm per sequence: 4-D matmul would copy the strided cache views
+        scores = torch.stack([torch.bmm(stacked[b], key[b].transpose(1, 2)) for b in range(batch)])  # [b, kv, g*q, n]
+    else:
+        scores = query.new_empty(batch, kv_heads, groups * q_len, kv_len)
+        for b in range(batch):
+            for j in range(kv_heads):
+                torch.matmul(stacked[b, j], key[b, j].transpose(0, 1), out=scores[b, j])  # [g*q, n]
+    scores = (scores if on_query else scores.mul_(scaling)).view(batch, kv_heads, groups, q_len, kv_len)  # [b, kv, g, q, n]
+    if causal_tail and q_len > 1:
+        future = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).triu_(1)  # [q, q]
+        scores[..., kv_len - q_len :].masked_fill_(future, float("-inf"))
+    if attention_mask is not None:
+        mask = attention_mask[:, :, None]  # [b|1, 1, 1, q, n]
+        if mask.dtype == torch.bool:
+            tail = max(kv_len - q_len, 0)
+            if tail and bool(mask[..., :tail].all()):
+                scores[..., tail:].masked_fill_(~mask[..., tail:], float("-inf"))
+            else:
+                scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores.add_(mask.to(scores.dtype))
+    # PyTorch's CPU softmax computes in float32 for bfloat16/float16 inputs and
+    # rounds once, like softmax(dtype=float32).to(dtype) but without the two
+    # extra passes over [g*q, n] that cost more than the products at 16K keys.
+    probs = scores.softmax(dim=-1).view(batch, kv_heads, groups * q_len, kv_len)
+    if batched:
+        output = torch.stack([torch.bmm(probs[b], value[b]) for b in range(batch)])  # [b, kv, g*q, d]
+        return output.view(batch, heads, q_len, head_dim)  # [b, h, q, d]
+    output = query.new_empty(batch, kv_heads, groups * q_len, head_dim)
+    parts = key_parts() if path == "split" else 1
+    for b in range(batch):
+        for j in range(kv_heads):
+            if parts > 1:
+                output[b, j] = split_product(probs[b, j], value[b, j], parts)
+            else:
+                torch.matmul(probs[b, j], value[b, j], out=output[b, j])  # [g*q, d]
+    return output.view(batch, heads, q_len, head_dim)  # [b, h, q, d]
+
+
+def key_parts() -> int:
+    """Parts of the keys on the ``split`` path: one per thread, at least 2."""
+    return max(2, torch.get_num_threads())
+
+
+def split_product(
+    probs: torch.Tensor,  # [rows, n]
+    value: torch.Tensor,  # [n, d]
+    parts: int,
+) -> torch.Tensor:
+    """``probs @ value`` [rows, d] as one batched product over ``parts`` runs of the keys, summed.
+
+    The batch of parts gives every thread a share of the long sum over n (the
+    2-D product's [rows, d] result is one block to a library, so one thread
+    summed all n). The sum runs in another order, so the result may differ in
+    the last bits; keys left over when ``parts`` does not divide n are added
+    by a product of their own.
+    """
+    size = probs.shape[-1] // parts
+    bulk = size * parts
+    out = torch.matmul(probs[:, :bulk].unflatten(-1, (parts, size)).transpose(0, 1),  # [parts, rows, size]
+                       value[:bulk].unflatten(0, (parts, size))).sum(0)  # [parts, size, d] -> [rows, d]
+    if bulk < probs.shape[-1]:
+        out += probs[:, bulk:] @ value[bulk:]  # [rows, d]
+    return out
