@@ -89,3 +89,48 @@ def test_the_engine_refuses_a_negative_prefix_cache_in_one_line(tiny_model):
     for bad in (-1, float("nan"), True, "2"):  # the spec every command builds: in the engine's part, not the models'
         with pytest.raises(RapidspecError, match="prefix_cache_gib must be a number >= 0"):
             EngineSpec(prefix_cache_gib=bad)
+
+
+def test_a_lookup_takes_an_entry_when_another_shares_as_much_and_take_says_yes(tiny_model):
+    """The entry itself (the least recently used of the longest), cropped and out of the store, while another
+    entry stays for a request that comes meanwhile; with one entry left, or ``take`` saying no, a copy."""
+    model = tiny_model.model
+    older, newer = filled(model, [5] * 40 + [1, 1]), filled(model, [5] * 40 + [2, 2])
+    store = PrefixCache(max_bytes=1 << 30, min_reused_tokens=8)
+    store.store(older)
+    store.store(newer)
+    asked = []
+    taken, reused = store.lookup([5] * 40 + [3], take=lambda: asked.append(1) or True)
+    assert taken is older and reused == 40 and taken.token_ids == [5] * 40 and asked == [1]
+    assert store.held_token_ids == [[5] * 40 + [2, 2]] and store.bytes_used == newer.memory_bytes()
+    copy, reused = store.lookup([5] * 40 + [3], take=lambda: True)  # the last entry sharing 40 tokens: a copy
+    assert copy is not newer and reused == 40 and store.held_token_ids == [[5] * 40 + [2, 2]]
+    store.store(taken)
+    refused, _ = store.lookup([5] * 40 + [3], take=lambda: False)
+    assert refused is not taken and refused is not newer and len(store) == 2
+    assert store.counters.hits == 3 and store.counters.reused_tokens == 120
+    with torch.inference_mode():  # the taken cache computes as a copy would
+        fresh = model(torch.tensor([[5] * 40 + [3]]), use_cache=False).logits[0, -1].float()
+        torch.testing.assert_close(taken.forward([3], num_logits=1)[0], fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_the_engine_takes_entries_only_while_the_disk_writes_nothing(tiny_model, monkeypatch):
+    """Follow-up questions about one document take the prefix cache's entries (no copy of the document's keys and
+    values) and answer as with copies; while a disk write is pending, entries are copied (the writer reads them)."""
+    from rapidspec import Rapid
+    from rapidspec.runtime.kv_store import DiskKVStore
+
+    document = " ".join(f"line {i} of the report." for i in range(60))
+
+    def answers(engine):
+        return [engine.generate(document, f"question {i}?", mode="lc", max_new_tokens=4).token_ids for i in range(4)]
+
+    taking = Rapid(spec_of(prefix_cache_gib=1, kv_cache_gib=0), target=tiny_model)
+    copying = Rapid(spec_of(prefix_cache_gib=1, kv_cache_gib=0), target=tiny_model)
+    monkeypatch.setattr(copying, "_may_take", lambda: False)
+    assert answers(taking) == answers(copying)
+    assert len(copying.prefix_cache) == 4 and len(taking.prefix_cache) == 2  # the third and fourth took one
+    writing = Rapid(spec_of(prefix_cache_gib=1), target=tiny_model)
+    assert isinstance(writing.disk_store, DiskKVStore) and writing._may_take() == (not writing.disk_store.writing())
+    monkeypatch.setattr(DiskKVStore, "writing", lambda self: True)
+    assert answers(writing) == answers(copying) and len(writing.prefix_cache) == 4

@@ -351,10 +351,15 @@ class Rapid:
 
     def _keep(self, cache) -> None:
         """Hand ``cache`` to the disk (written in the store's thread; nothing changes it) and the prefix cache (it is
-        the store's from now on)."""
+        the store's from now on). The disk first: while its write is pending no entry is taken (:meth:`_may_take`)."""
         if self.disk_store is not None:
             self.disk_store.write(cache)
         self.prefix_cache.store(cache)
+
+    def _may_take(self) -> bool:
+        """Whether a lookup may take a prefix-cache entry instead of copying it: not while the disk's writer may
+        still read one (asked under the prefix cache's lock, after any entry's write was handed over)."""
+        return self.disk_store is None or not self.disk_store.writing()
 
     def _prefill_target(self, token_ids: list[int], stats: GenerationStats, use_store: bool, room: int, should_stop,
                         progress=None, ticks: bool = False, chunk_limit=None):
@@ -363,7 +368,7 @@ class Rapid:
         positions (the generation never grows it). Stopped or closed early, it keeps what it read (``use_store``)."""
         wanted, cache = token_ids[:-1], None
         if use_store:
-            cache, stats.target_prefill_reused_tokens = self.prefix_cache.lookup(wanted, capacity=room)
+            cache, stats.target_prefill_reused_tokens = self.prefix_cache.lookup(wanted, room, self._may_take)
         if cache is None:
             cache = new_kv_cache(self.target, self.prefill_chunk_tokens)
         cache.reserve(room)

@@ -232,6 +232,10 @@ class DiskKVStore:
             if tokens is not None and len(tokens) < len(ids) and common_prefix_length(tokens, ids) == len(tokens):
                 remove_quietly(sibling)
 
+    def writing(self) -> bool:
+        """Whether writes handed over are not done (their caches may still be read)."""
+        return self._pending > 0
+
     def flush(self) -> None:
         """Wait for the writes handed over so far."""
         self._writer.submit(lambda: None).result()
