@@ -328,8 +328,8 @@ def query_blocks(query, key, value, scaling: float) -> torch.Tensor:
 
     Each block attends to the keys up to its own last position, so it is a short query aligned to the end of
     its keys and takes the short-query path measured for its shape. Per block, the [g*q, n] scores of a key/value
-    head stay small enough for the caches: a prompt's 512-token piece after 16K tokens took 1.0 s in blocks and
-    2.0 s in PyTorch's flash kernel (or as one product), 64 tokens 0.38 s and 0.72 s (docs/speed.md).
+    head stay small enough for the CPU's caches, where a whole 512-token chunk's outgrew them (and PyTorch's
+    flash kernel was as slow): the default model's 16K-token prefill took 57.0 s instead of 89.6 s (docs/speed.md).
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     blocks = []
