@@ -29,14 +29,19 @@ def grouped_matmul_attention(
     """Attention [batch, heads, q_len, head_dim] as two matrix products per key/value group.
 
     Query heads ``h`` of group ``j`` are ``j * groups .. (j + 1) * groups - 1``
-    (the layout of transformers' ``repeat_kv``). ``path`` (``matmul``: one 2-D
-    product per (sequence, key/value head): each head's [kv_len, d] block of a
-    cache is contiguous, while batched products over views of longer buffers
-    may copy them first; ``split``: the same, with the second product in
-    :func:`key_parts` parts of the keys (:func:`split_product`); ``batched``:
-    one product over all heads, fewer calls, which pays on short caches;
-    :func:`~rapidspec.runtime.attention.short_query_path` picks one). ``causal_tail``: lower-right causality without a
-    mask (only the last ``q_len`` keys are masked, by a [q_len, q_len] triangle).
+    (the layout of transformers' ``repeat_kv``). ``path``, which
+    :func:`~rapidspec.runtime.attention.short_query_path` picks:
+
+    * ``matmul``: one 2-D product per (sequence, key/value head): each head's
+      [kv_len, d] block of a cache is contiguous, while batched products over
+      views of longer buffers may copy them first;
+    * ``split``: the same, with the second product in :func:`key_parts` parts
+      of the keys (:func:`split_product`);
+    * ``batched``: one product over all heads, fewer calls, which pays on
+      short caches.
+
+    ``causal_tail``: lower-right causality without a mask (only the last
+    ``q_len`` keys are masked, by a [q_len, q_len] triangle).
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
