@@ -156,6 +156,34 @@ def test_calibrate_measures_the_drafter_once_before_any_generation(tiny_model, o
     assert (tmp_path / "costs.json").read_text() == before
 
 
+
+def test_calibrate_measures_a_context_the_prefix_cache_holds_on_a_copy_of_it(tiny_model, tmp_path, monkeypatch):
+    """A context the prefix cache holds (after an answer about a document) is measured on a copy of that entry:
+    no filler prefill, the entry untouched; a longer context than any entry is prefilled with filler."""
+    from rapidspec.config import DecodeConfig
+    from rapidspec.drafting import calibration
+
+    engine = Rapid(spec_of(kv_cache_gib=0), target=tiny_model)
+    engine.costs = CostBook(tmp_path / "costs.json")
+    out = engine.generate(" ".join(f"line {i} of the report." for i in range(40)), "which line?", mode="lc",
+                          max_new_tokens=3)
+    held = engine.prefix_cache.held_token_ids
+    n = out.stats.prompt_tokens_target
+    prefilled, measured = [], []
+    new_cache = calibration.new_kv_cache
+    monkeypatch.setattr(calibration, "new_kv_cache", lambda *a: prefilled.append(a) or new_cache(*a))
+    measure = calibration.measure_verify
+    monkeypatch.setattr(calibration, "measure_verify",
+                        lambda cache, pending, tokens: measured.append((cache.length, list(pending))) or
+                        measure(cache, pending, tokens))
+    engine.calibrate(DecodeConfig(mode="rapid"), contexts=[n])
+    assert prefilled == [] and measured == [(n - 1, [held[0][n - 1]])]
+    assert engine.prefix_cache.held_token_ids == held
+    (kept,) = json.loads((tmp_path / "costs.json").read_text())["machines"].values()
+    assert any(f"verify at {calibration.context_bucket(n)} tokens" in key for key in kept)
+    engine.calibrate(DecodeConfig(mode="rapid"), contexts=[4 * n])  # longer than any entry: filler
+    assert len(prefilled) == 1 and measured[-1][0] == 4 * n - 1
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_cache_keeps_costs_in_memory_with_one_warning(tmp_path, caplog):
     folder = tmp_path / "ro"

@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
         for config in (lc_config, rapid_config):
             with console.status(f"question {number} of 2, mode {config.mode}"):
                 outputs[config.mode] = engine.generate(item.document, question, config=config)
+            if config is lc_config and number == 1:  # the target's verification at this length, on lc's cache
+                with console.status("measuring the target's verification at this length (once per machine)"):
+                    engine.calibrate(rapid_config, contexts=[outputs["lc"].stats.prompt_tokens_target])
         asked.append({"question": question, "expected_answer": expected, "outputs": outputs,
                       **speedups(outputs["lc"].stats, outputs["rapid"].stats)})
     if args.json:

@@ -367,10 +367,11 @@ class EngineCosts:
                              again)
 
     def calibrate(self, config, contexts: Sequence[int], again: bool, embedder: bool, chunk_tokens: int,
-                  progress=None) -> None:
+                  progress=None, held=None) -> None:
         """What :meth:`rapidspec.Rapid.calibrate` measures: ``config``'s model drafter, the embedder (``embedder``
-        and a retrieval that embeds), the target's verification at each of ``contexts`` tokens (a cache of filler
-        tokens prefilled ``chunk_tokens`` at a time, telling ``progress(done, total)``)."""
+        and a retrieval that embeds), the target's verification at each of ``contexts`` tokens: on ``held(tokens)``,
+        a (cache, sequence) pair whose cache holds the sequence but its last token (a copy of a kept cache), else on
+        a cache of filler tokens prefilled ``chunk_tokens`` at a time, telling ``progress(done, total)``."""
         limit = self.target_model.max_context - VERIFY_PROBE_TOKENS - 1
         if bad := [n for n in contexts if not 2 <= n <= limit]:
             raise RapidspecError(f"a context to calibrate at must be 2 to {limit} tokens (the target's window less "
@@ -382,6 +383,10 @@ class EngineCosts:
         tokenizer = self.target_model.tokenizer
         filler = tokenizer(" the river town kept its boats", add_special_tokens=False)["input_ids"] or [self._token]
         for tokens in contexts:
+            found = held(tokens) if held is not None else None
+            if found is not None:
+                self.target(config, *found, again)
+                continue
             seq = (filler * (tokens // len(filler) + 1))[:tokens]
             cache = new_kv_cache(self.target_model, chunk_tokens)
             cache.reserve(tokens + VERIFY_PROBE_TOKENS)
