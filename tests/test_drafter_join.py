@@ -176,9 +176,15 @@ def test_calibrate_measures_a_context_the_prefix_cache_holds_on_a_copy_of_it(tin
     monkeypatch.setattr(calibration, "measure_verify",
                         lambda cache, pending, tokens: measured.append((cache.length, list(pending))) or
                         measure(cache, pending, tokens))
+    copies, longest = [], engine.prefix_cache.longest_copy
+    monkeypatch.setattr(engine.prefix_cache, "longest_copy", lambda *a: copies.append(a) or longest(*a))
+    queries = engine.prefix_cache.counters.queries
     engine.calibrate(DecodeConfig(mode="rapid"), contexts=[n])
-    assert prefilled == [] and measured == [(n - 1, [held[0][n - 1]])]
+    assert prefilled == [] and measured == [(n - 1, [held[0][n - 1]])] and len(copies) == 1
     assert engine.prefix_cache.held_token_ids == held
+    assert engine.prefix_cache.counters.queries == queries  # not a request's lookup
+    engine.calibrate(DecodeConfig(mode="rapid"), contexts=[n])  # kept: no copy, no measurement
+    assert len(copies) == 1 and len(measured) == 1
     (kept,) = json.loads((tmp_path / "costs.json").read_text())["machines"].values()
     assert any(f"verify at {calibration.context_bucket(n)} tokens" in key for key in kept)
     engine.calibrate(DecodeConfig(mode="rapid"), contexts=[4 * n])  # longer than any entry: filler

@@ -229,13 +229,24 @@ class CostBook:
         busy and due again, or when ``again``."""
         full_key = f"{key} | {compute_threads()} threads"
         with self._lock:
-            kept = self._memory.get(full_key) or self.stored().get(full_key)
-            if _entry_value(kind, kept) is None:
-                kept = None
-            if again or kept is None or (kept.get("busy") and self._due(full_key, kept)):
+            kept = self._kept(kind, full_key)
+            if again or self._wanted(full_key, kept):
                 kept = self._measure(kind, full_key, measure, kept)
             self._memory[full_key] = kept
             return _entry_value(kind, kept)
+
+    def wanted(self, kind: type, key: str) -> bool:
+        """Whether :meth:`get` would measure ``key`` now (missing, or busy and due again)."""
+        full_key = f"{key} | {compute_threads()} threads"
+        with self._lock:
+            return self._wanted(full_key, self._kept(kind, full_key))
+
+    def _kept(self, kind: type, full_key: str) -> dict | None:
+        kept = self._memory.get(full_key) or self.stored().get(full_key)
+        return None if _entry_value(kind, kept) is None else kept
+
+    def _wanted(self, full_key: str, kept: dict | None) -> bool:
+        return kept is None or bool(kept.get("busy") and self._due(full_key, kept))
 
     def _due(self, key: str, kept: dict) -> bool:
         """Whether a busy entry is measured again: :data:`RECHECK_S` after this process measured it, else after
@@ -348,10 +359,13 @@ class EngineCosts:
     def target(self, config, cache, seq: Sequence[int], again: bool = False) -> TargetCosts:
         """v(n) of the target at the context bucket of ``seq`` (measured on ``cache``, which holds ``seq[:-1]``)."""
         tokens = min(VERIFY_PROBE_TOKENS, config.max_gamma + 1)
+        return self.book.get(TargetCosts, self._target_key(config, len(seq)),
+                             lambda: measure_verify(cache, seq[cache.length :], tokens), again)
+
+    def _target_key(self, config, context: int) -> str:
         model = self.target_model
-        key = (f"target {model.label} {model.dtype} {model.device.type} {model.runtime} | verify at "
-               f"{context_bucket(len(seq))} tokens, n = 1 and {tokens}")
-        return self.book.get(TargetCosts, key, lambda: measure_verify(cache, seq[cache.length :], tokens), again)
+        return (f"target {model.label} {model.dtype} {model.device.type} {model.runtime} | verify at "
+                f"{context_bucket(context)} tokens, n = 1 and {min(VERIFY_PROBE_TOKENS, config.max_gamma + 1)}")
 
     def drafter(self, config, again: bool = False) -> DrafterCosts:
         """The step and prefill costs of the drafter ``config`` drafts with."""
@@ -383,6 +397,8 @@ class EngineCosts:
         tokenizer = self.target_model.tokenizer
         filler = tokenizer(" the river town kept its boats", add_special_tokens=False)["input_ids"] or [self._token]
         for tokens in contexts:
+            if not again and not self.book.wanted(TargetCosts, self._target_key(config, tokens)):
+                continue  # kept: no cache to make
             found = held(tokens) if held is not None else None
             if found is not None:
                 self.target(config, *found, again)

@@ -149,19 +149,11 @@ class Rapid:
         do for modes without a model drafter); with ``contexts``, the target's verify costs at those context
         lengths too (on a cache of filler tokens, prefilled with ``progress(done, total)``); with ``embedder`` and
         a retrieval that embeds (dense, hybrid, auto), the embedder's cost. ``again``: measure even what is kept.
-        A context the prefix cache holds is measured on a copy of its entry, with no prefill.
-        Returns the engine's entries."""
+        A context the prefix cache holds is measured on a copy of its entry, with no prefill; a context whose
+        costs are kept (and ``again`` not set) makes no cache. Returns the engine's entries."""
         self._costs.calibrate(config or DecodeConfig(), contexts, again, embedder, self.prefill_chunk_tokens, progress,
-                              self._held_context)
+                              lambda tokens: self.prefix_cache.longest_copy(tokens, tokens + VERIFY_PROBE_TOKENS))
         return self.costs.entries()
-
-    def _held_context(self, tokens: int):
-        """(a copy of a prefix-cache entry holding ``tokens - 1`` tokens, its first ``tokens``) or None."""
-        held = max(self.prefix_cache.held_token_ids, key=len, default=[])
-        if len(held) < tokens:
-            return None
-        cache, _ = self.prefix_cache.lookup(held[: tokens - 1], capacity=tokens + VERIFY_PROBE_TOKENS)
-        return None if cache is None else (cache, held[:tokens])
 
     def generate(self, document: str, question: str, **options) -> GenerationOutput:
         """Generate an answer; same options as :meth:`stream`."""

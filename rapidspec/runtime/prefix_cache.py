@@ -110,6 +110,17 @@ class PrefixCache:
         copy.crop(best_shared)
         return copy, best_shared
 
+    def longest_copy(self, tokens: int, capacity: int | None = None) -> tuple[KVCache, list[int]] | None:
+        """A copy of the longest entry's first ``tokens - 1`` positions and that entry's first ``tokens`` token ids,
+        or None when no entry holds ``tokens``; not a request's lookup (no counters, no recency)."""
+        with self._lock:
+            entry = max((entry for entry, _ in self._entries.values()), key=lambda e: e.length, default=None)
+            if entry is None or entry.length < tokens:
+                return None
+            copy = entry.clone(capacity)
+            copy.crop(tokens - 1)
+            return copy, list(entry.token_ids[:tokens])
+
     def store(self, cache: KVCache) -> None:
         """Keep ``cache`` (owned by the store from now on); see the module docstring."""
         with self._lock:
