@@ -108,6 +108,7 @@ def fake_vllm(tmp_path, monkeypatch, tiny_model_dir):
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("RAPIDSPEC_VLLM_PYTHON", str(python))
     monkeypatch.setattr("rapidspec.bench.serve.process.GROUP_GRACE_S", 0.5)  # the stand-in's child never exits alone
+    monkeypatch.setattr("rapidspec.bench.serve.load.COUNT_DELAY_S", 0.0)  # the stand-in counts before it answers
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "FAKE_VLLM_FAIL"):
         monkeypatch.delenv(name, raising=False)
     exported = []

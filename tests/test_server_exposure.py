@@ -6,7 +6,7 @@ Requests beside expensive ones: preparation (sizing, retrieval, prompts)
 runs off the engine thread and is counted by the time limit; abandoned
 requests free what they hold; log-probabilities never wait on the size
 checks' tokenizer; /tokenize is bounded. Waits are on events, not on
-timings, except the read timeout itself (1 s here, each wait bounded).
+timings, except the read timeout itself (0.4 s here, each wait bounded).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tests.hostile import GOOD, HI, check, post
 from tests.server_harness import HTTP, SlowEngine, running_server, wait_until
 from tests.specs import spec_of
 
-READ_TIMEOUT_S = 1.0
+READ_TIMEOUT_S = 0.4
 
 
 class GatedEngine:

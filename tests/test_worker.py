@@ -113,13 +113,16 @@ def _beside_a_long_job(batched: bool, long_step_s: float, short_steps: int, shor
                        fed: tuple[int, int] = (0, 0), short_tokens: int | None = None) -> list[str]:
     """A long job ("L" a step of ``long_step_s``, 60 of them) runs alone for 0.5 s of steps; then a short one
     arrives ("S" a step of ``short_step_s``). ``fed``: tokens each job's steps report to the tick's batcher (as a
-    batched forward of that many rows does). The log of their steps once both have ended."""
+    batched forward of that many rows does). The log of their steps once both have ended; the long job ends at its
+    first step after the short one's end (its later steps would only add "L"s after the last "S")."""
     log: list[str] = []
-    ahead = threading.Event()
+    ahead, short_ended = threading.Event(), threading.Event()
 
     def job(name: str, steps: int, seconds: float, tokens: int):
         def work(emit, cancelled):
             for step in range(steps):
+                if name == "L" and short_ended.is_set():
+                    return
                 time.sleep(seconds)
                 batcher = current_batcher()
                 if batcher is not None:
@@ -137,9 +140,10 @@ def _beside_a_long_job(batched: bool, long_step_s: float, short_steps: int, shor
             jobs = [worker.submit(job("L", 60, long_step_s, fed[0]))]
             await asyncio.to_thread(ahead.wait, 30)
             jobs.append(worker.submit(job("S", short_steps, short_step_s, fed[1]), short_tokens))
-            for submitted in jobs:
+            for submitted in reversed(jobs):  # the short one first
                 while (await asyncio.wait_for(submitted.events.get(), 30))[0] != "end":
                     pass
+                short_ended.set()
         finally:
             worker.stop(10)
 

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 #: Seconds the children of a server in a group of its own get to exit after it, then after SIGTERM.
 GROUP_GRACE_S = 5.0
+#: Seconds between the readiness checks of a server starting (its /health).
+READY_POLL_S = 0.2
 
 
 def free_port() -> int:
@@ -114,7 +116,7 @@ class LocalServer:
             if time.monotonic() > deadline:
                 raise RapidspecError(f"{self.name} was not ready within {self.config.start_timeout_s:g} s "
                                      f"(log: {self.log_path})")
-            time.sleep(0.5)
+            time.sleep(READY_POLL_S)
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after ``stop_timeout_s``; the exit code (negative: killed by that signal)."""
