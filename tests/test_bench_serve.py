@@ -90,6 +90,37 @@ def test_counter_deltas():
     assert counter_deltas(None, after) is None
 
 
+def test_prompt_lookup_drafts_are_counted_by_the_server_and_reported():
+    """Rounds drafted by prompt lookup before the drafter joined count in /metrics apart from the drafter's, and
+    bench serve reads them (a run whose drafter never joined once reported no drafting at all)."""
+    from rich.console import Console
+
+    from rapidspec.bench.serve.client import read_counters
+    from rapidspec.bench.serve.report import outcome_table
+    from rapidspec.server.metrics import ServerMetrics
+    from rapidspec.stats import GenerationStats
+
+    metrics = ServerMetrics("m", waiting=lambda: 0, running=lambda: 0)
+
+    async def counters():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=metrics.render()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            return await read_counters(client)
+
+    before = asyncio.run(counters())
+    metrics.finished(GenerationStats(mode="rapid", new_tokens=20, lookup_drafted_tokens=12,
+                                     lookup_accepted_tokens=5), "stop")
+    delta = counter_deltas(before, asyncio.run(counters()))
+    assert (delta["lookup_draft_tokens"], delta["lookup_accepted_tokens"]) == (12, 5)
+    assert delta["draft_tokens"] == 0 and delta["acceptance_rate"] is None  # the drafter's own: none
+    summary = LoadConfig(base_url="http://h:1").describe() | summarize([], 1.0) | {"dataset": "builtin",
+                                                                                  "server_metrics": delta}
+    console = Console(width=200, record=True)
+    console.print(outcome_table(summary))
+    text = console.export_text()
+    assert "server: prompt-lookup drafts accepted" in text and "5 of 12" in text
+
+
 # ------------------------------------------------------------ load shape and options
 def test_arrival_times():
     assert arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]

@@ -54,6 +54,12 @@ class ServerMetrics:
         self.num_drafts = Counter("rapidspec:spec_decode_num_drafts", "Draft/verify rounds.", **labels)
         self.num_draft_tokens = Counter("rapidspec:spec_decode_num_draft_tokens", "Drafted tokens.", **labels)
         self.num_accepted_tokens = Counter("rapidspec:spec_decode_num_accepted_tokens", "Accepted drafted tokens.", **labels)
+        self.lookup_draft_tokens = Counter(
+            "rapidspec:lookup_num_draft_tokens", "Tokens drafted by prompt lookup before the drafter joined.", **labels
+        )
+        self.lookup_accepted_tokens = Counter(
+            "rapidspec:lookup_num_accepted_tokens", "Accepted tokens drafted by prompt lookup.", **labels
+        )
         self.acceptance = Gauge(
             "rapidspec:spec_decode_draft_acceptance_rate", "Accepted / drafted tokens since the server started.", **labels
         )
@@ -83,6 +89,9 @@ class ServerMetrics:
             self._drafted += stats.drafted_tokens
             self._accepted += stats.accepted_tokens
             self.acceptance.labels(model).set(self._accepted / self._drafted)
+        if stats.lookup_drafted_tokens:
+            self.lookup_draft_tokens.labels(model).inc(stats.lookup_drafted_tokens)
+            self.lookup_accepted_tokens.labels(model).inc(stats.lookup_accepted_tokens)
         if stats.mode != "rag":  # rag's target reads retrieved text and never uses the prefix cache
             self.prefix_cache_queries.labels(model).inc(max(0, stats.prompt_tokens_target - 1))
             self.prefix_cache_hits.labels(model).inc(stats.target_prefill_reused_tokens)

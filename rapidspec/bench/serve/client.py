@@ -32,6 +32,8 @@ COUNTERS = {
     "prefix_cache_query_tokens": "rapidspec:prefix_cache_queries_total",
     "draft_tokens": "rapidspec:spec_decode_num_draft_tokens_total",
     "accepted_tokens": "rapidspec:spec_decode_num_accepted_tokens_total",
+    "lookup_draft_tokens": "rapidspec:lookup_num_draft_tokens_total",
+    "lookup_accepted_tokens": "rapidspec:lookup_num_accepted_tokens_total",
 }
 
 

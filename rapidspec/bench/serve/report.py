@@ -48,6 +48,9 @@ def outcome_table(s: dict) -> Table:
             ("server: prefix-cache hit rate (prompt tokens)", _fmt(metrics["prefix_cache_hit_rate"], ".1%")),
             ("server: draft acceptance rate", _fmt(metrics["acceptance_rate"], ".1%")),
         ]
+        if metrics.get("lookup_draft_tokens"):  # rounds drafted by prompt lookup before the drafter joined
+            rows.append(("server: prompt-lookup drafts accepted", f"{metrics['lookup_accepted_tokens']:g} of "
+                                                                  f"{metrics['lookup_draft_tokens']:g}"))
     reuse = s.get("prefix_reuse_by_session")
     if reuse:
         rates = [r for r in reuse.values() if r is not None]
