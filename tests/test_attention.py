@@ -19,7 +19,7 @@ from tests.conftest import make_tiny_model
 REPOSITORY = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(params=["matmul", "split", "batched", "sdpa"])
+@pytest.fixture(params=["matmul", "split", "batched", "keys", "sdpa"])
 def forced_path(request, monkeypatch):
     """Run each model-level test with short queries on either path (the tiny heads never reach the thresholds)."""
     monkeypatch.setattr(attention, "SHORT_QUERY_PATH", request.param)
@@ -192,7 +192,7 @@ def test_grouped_matmul_attention_equals_repeated_heads(mask_kind, q_len):
     additive = torch.randn(batch, 1, q_len, kv_len, generator=generator)
     mask = {"none": None, "causal": causal, "padding": padded, "additive": additive}[mask_kind]
     expected = _repeat_kv_reference(query, key, value, mask, 0.25)
-    for path in ("matmul", "split", "batched"):
+    for path in ("matmul", "split", "batched", "keys"):
         got = grouped_matmul_attention(query, key, value, mask, 0.25, path=path)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 

@@ -39,7 +39,7 @@ def no_mask_of_context_size(monkeypatch):
     assert all(not isinstance(mask, torch.Tensor) for mask in masks), [getattr(m, "shape", m) for m in masks]
 
 
-@pytest.mark.parametrize("path", ["sdpa", "matmul", "split", "batched"])
+@pytest.mark.parametrize("path", ["sdpa", "matmul", "split", "batched", "keys"])
 @pytest.mark.parametrize("q_len, kv_len", [(7, 300), (64, 64), (200, 1000), (1, 500)])
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
 def test_lower_right_causal_equals_the_dense_mask(monkeypatch, no_mask_of_context_size, path, q_len, kv_len,
@@ -72,7 +72,7 @@ def test_a_chunked_lean_prefill_builds_no_mask_and_gives_the_unchunked_logits(ti
 
 
 
-@pytest.mark.parametrize("path", ["sdpa", "matmul", "split"])
+@pytest.mark.parametrize("path", ["sdpa", "matmul", "split", "keys"])
 def test_a_long_cpu_query_is_attended_in_blocks_each_over_the_keys_up_to_its_last_row(monkeypatch, path):
     """A query longer than MATMUL_MAX_QUERY runs as blocks of at most that many rows, each a short query aligned to
     the end of its own keys (the SDPA path included: its blocks take the CPU flash kernel); equal to the dense

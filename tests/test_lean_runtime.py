@@ -65,7 +65,7 @@ def token_ids(n: int, seed: int = 0, vocab: int = 257) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("path", ["matmul", "split", "batched", "sdpa"])
+@pytest.mark.parametrize("path", ["matmul", "split", "batched", "keys", "sdpa"])
 @torch.inference_mode()
 def test_lean_logits_equal_transformers_through_prefill_verify_step_and_rollback(tiny, path, monkeypatch):
     """Same logits as the transformers path for prefill chunks, a verify, single steps, after crops."""

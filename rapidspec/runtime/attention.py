@@ -100,9 +100,9 @@ MATMUL_MAX_QUERY = 32
 #: keys into a batch of parts, one per thread (``split``: a product of [g*q, n]
 #: by [n, d] has a [g*q, d] result too small for a library to share between
 #: threads, so one thread summed all n keys while the others waited), one
-#: batched product over the key/value heads (``batched``), or PyTorch's SDPA
-#: (``sdpa``).
-SHORT_QUERY_PATHS = ("matmul", "split", "batched", "sdpa")
+#: batched product over the key/value heads (``batched``), the same with the
+#: scores as keys x queries (``keys``), or PyTorch's SDPA (``sdpa``).
+SHORT_QUERY_PATHS = ("matmul", "split", "batched", "keys", "sdpa")
 #: How short CPU queries choose their path: ``"measure"`` (default) takes the
 #: path kept for the shape class in the choices file, measuring and keeping it
 #: the first time (:func:`fastest_short_query_path`); a name of
@@ -119,8 +119,9 @@ CHOICES_FILE_ENV = "RAPIDSPEC_ATTENTION_PATHS"
 CHOICES_FILE_NAME = "attention_paths.json"
 #: Layout of the choices file: ``{"format": 1, "machines": {machine_key: {shape class: path}}}``;
 #: a file of another format counts as empty.
-CHOICES_FORMAT = 3  # 2: measured by the fastest of 8 timings (1, medians of 5, could keep a path that lost
-# by 10x when another process held the cores during the measurement: its files are measured again); 3: ``split``
+CHOICES_FORMAT = 4  # 2: measured by the fastest of 8 timings (1, medians of 5, could keep a path that lost
+# by 10x when another process held the cores during the measurement: its files are measured again); 3: ``split``;
+# 4: ``keys``
 
 
 def short_query_path(query: torch.Tensor, kv_heads: int, kv_len: int) -> str:
@@ -253,6 +254,7 @@ def measure_short_query_path(
         "matmul": lambda: grouped_matmul_attention(query, key, value, None, scaling),
         "split": lambda: grouped_matmul_attention(query, key, value, None, scaling, path="split"),
         "batched": lambda: grouped_matmul_attention(query, key, value, None, scaling, path="batched"),
+        "keys": lambda: grouped_matmul_attention(query, key, value, None, scaling, path="keys"),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
             query, key, value, scale=scaling, enable_gqa=heads != kv_heads
         ),

@@ -14,7 +14,7 @@ import math
 import torch
 
 #: The paths of :func:`grouped_matmul_attention`.
-PATHS = ("matmul", "split", "batched")
+PATHS = ("matmul", "split", "batched", "keys")
 
 
 def grouped_matmul_attention(
@@ -38,14 +38,18 @@ def grouped_matmul_attention(
     * ``split``: the same, with the second product in :func:`key_parts` parts
       of the keys (:func:`split_product`);
     * ``batched``: one product over all heads, fewer calls, which pays on
-      short caches.
+      short caches;
+    * ``keys``: batched products over all heads with the scores computed as
+      keys x queries ([kv, n, g*q], then laid out as [kv, g*q, n] by one copy):
+      the long operand on the left, where the libraries read it at close to the
+      memory's speed for a few query rows (a plain step at 16K keys).
 
     ``causal_tail``: lower-right causality without a mask (only the last
     ``q_len`` keys are masked, by a [q_len, q_len] triangle).
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    batched = path == "batched"
+    batched = path in ("batched", "keys")
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -53,7 +57,10 @@ def grouped_matmul_attention(
     # rows instead of the [g*q, n] scores (the same numbers, one pass over the scores less).
     on_query = math.frexp(scaling)[0] == 0.5
     stacked = (query * scaling if on_query else query).reshape(batch, kv_heads, groups * q_len, head_dim)  # [b, kv, g*q, d]
-    if batched:  # torch.bmm per sequence: 4-D matmul would copy the strided cache views
+    if path == "keys":  # torch.stack lays the transposed scores out as [b, kv, g*q, n]
+        scores = torch.stack([torch.bmm(key[b], stacked[b].transpose(1, 2)).transpose(1, 2)  # [kv, n, g*q] -> T
+                              for b in range(batch)])
+    elif batched:  # torch.bmm per sequence: 4-D matmul would copy the strided cache views
         scores = torch.stack([torch.bmm(stacked[b], key[b].transpose(1, 2)) for b in range(batch)])  # [b, kv, g*q, n]
     else:
         scores = query.new_empty(batch, kv_heads, groups * q_len, kv_len)
