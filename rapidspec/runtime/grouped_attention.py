@@ -41,8 +41,8 @@ def grouped_matmul_attention(
       short caches;
     * ``keys``: batched products over all heads with the scores computed as
       keys x queries ([kv, n, g*q], then laid out as [kv, g*q, n] by one copy):
-      the long operand on the left, where the libraries read it at close to the
-      memory's speed for a few query rows (a plain step at 16K keys).
+      with the long cache on the left, oneDNN reads it faster for a few query
+      rows (a plain step over a long cache) than in the other order.
 
     ``causal_tail``: lower-right causality without a mask (only the last
     ``q_len`` keys are masked, by a [q_len, q_len] triangle).
