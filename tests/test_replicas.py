@@ -231,7 +231,7 @@ def test_a_busy_replica_holds_its_conversation_until_its_line_reaches_the_bound(
         answer: dict = {}
         second = threading.Thread(target=lambda: answer.update(_turn(replicas, "held", 2, header=True)))
         second.start()  # line 3 < 4: it waits for its home
-        assert wait_until(lambda: _busy(replicas, 2, 2), 30, 0.1)
+        assert wait_until(lambda: _busy(replicas, 2, 2), 30, 0.1), (_replicas(replicas), _overflow_lines(replicas))
         for stream in streams:
             stream.close()  # the home's slots free up: the turn runs there
         second.join(120)
