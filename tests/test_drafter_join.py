@@ -274,6 +274,24 @@ def test_until_the_drafter_joins_rounds_draft_by_lookup_and_answer_as_lc(tiny_mo
     assert lc.stats.lookup_drafted_tokens == 0  # no drafter in lc: no lookup either
 
 
+def test_the_lookup_rounds_before_the_join_match_at_least_rounds_min_ngram_tokens(tiny_model, monkeypatch):
+    """Mode lookup matches from MIN_NGRAM tokens; the rounds before a model drafter joins from ROUNDS_MIN_NGRAM."""
+    import rapidspec.engine.rapid as rapid_module
+    from rapidspec.drafting.lookup import MIN_NGRAM, ROUNDS_MIN_NGRAM, LookupDrafter
+
+    made = []
+
+    class Recorded(LookupDrafter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.min_ngram)
+
+    monkeypatch.setattr(rapid_module, "LookupDrafter", Recorded)
+    rapid = engine(tiny_model, StaticCosts(drafter=DrafterCosts(0.01, 0.01)))
+    rapid.generate(DOCUMENT, QUESTION, mode="rapid", max_new_tokens=20, ignore_eos=True)
+    assert made == [ROUNDS_MIN_NGRAM] and ROUNDS_MIN_NGRAM > MIN_NGRAM
+
+
 def test_a_drafter_that_will_not_pay_is_never_prefilled(tiny_model):
     dear = StaticCosts(drafter=DrafterCosts(0.01, 0.01))  # 2-3 s to prefill against 0.1 s steps
     rapid = engine(tiny_model, dear)

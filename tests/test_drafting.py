@@ -97,6 +97,21 @@ def test_lookup_proposes_the_continuation_of_the_latest_match():
     assert drafter.continuation(2) == [c, 9]
 
 
+def test_lookup_with_a_longer_shortest_match_proposes_nothing_on_a_one_token_match():
+    from rapidspec.drafting.lookup import MAX_NGRAM, LookupDrafter
+
+    a, b, c, d = 1, 2, 3, 4
+    sequence, cpu = [a, b, c, d, 9, c], torch.device("cpu")  # "c" was seen before (then "d 9"); "9 c" was not
+    assert LookupDrafter(sequence, vocab_size=10, target_device=cpu).continuation(2) == [d, 9]
+    longer = LookupDrafter(sequence, vocab_size=10, target_device=cpu, min_ngram=2)
+    assert longer.continuation(2) == []
+    longer.commit([d])  # "c d" was seen before, followed by "9 c"
+    assert longer.continuation(2) == [9, c]
+    for bad in (0, MAX_NGRAM + 1):
+        with pytest.raises(ValueError, match="min_ngram"):
+            LookupDrafter(sequence, vocab_size=10, target_device=cpu, min_ngram=bad)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_lookup_mode_is_lossless(tiny_model, temperature):
     """Mode lookup drafts from the retrieved text and the answer; greedy equals lc, a seed gives the same run."""

@@ -35,7 +35,7 @@ from rapidspec.drafting.eta_default import EtaWarnings
 from rapidspec.drafting.factory import DrafterFactory, drop_started
 from rapidspec.drafting.gamma_schedule import GammaSchedule
 from rapidspec.drafting.join import DrafterJoin
-from rapidspec.drafting.lookup import LookupDrafter
+from rapidspec.drafting.lookup import ROUNDS_MIN_NGRAM, LookupDrafter
 from rapidspec.drafting.memory import ConversationMemory, prior_estimates
 from rapidspec.engine.defaults import resolve
 from rapidspec.engine.rounds import Rounds, run_rounds, sync as device_sync
@@ -281,7 +281,8 @@ class Rapid:
             run.join = DrafterJoin(self.drafting, prompts, config, stats, target_device, self._costs, acceptance,
                                    [] if previous is None else previous.kept(), beside)
             if self.drafting.drafter_kind(config) == "model" and config.drafter_start != "first":
-                run.lookup = LookupDrafter(list(run.target_seq), self.vocab_size, target_device)  # until it joins
+                run.lookup = LookupDrafter(list(run.target_seq), self.vocab_size, target_device,  # until it joins
+                                           min_ngram=ROUNDS_MIN_NGRAM)
             # 2-5 decode (a closed stream stops at a yield, after a round's rollback, so its cache is consistent too)
             consistent = False  # an error inside a round may leave a cache half-written: then keep neither
             try:
