@@ -24,9 +24,9 @@ from rapidspec.verification.processors import NO_PROCESSORS, LogitsProcessors
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
-#: The shortest match of the lookup rounds a model drafter's generation runs before the drafter joins: a one-token
-#: match proposed drafts that were kept a third of the time, and those rounds cost more than they saved (the
-#: built-in document's 8 questions at 7K and 16K tokens: 25.3 and 34.5 ms a token with 1, 20.5 and 32.5 with 2).
+#: The shortest match of the lookup rounds a model drafter's generation runs before the drafter joins: one-token
+#: matches proposed drafts that were kept about a third of the time, and their rounds cost more than they saved
+#: (``benchmarks/lookup_rounds.py``; docs/speed.md, "Lookup rounds match two tokens or more").
 ROUNDS_MIN_NGRAM = 2
 
 
