@@ -81,6 +81,12 @@ MIN_BUCKET = 512
 VERIFY_PROBE_TOKENS = 8
 
 
+def _probe_tokens(config) -> int:
+    """Tokens of the verification a target's costs are measured with: ``config``'s widest round, at most
+    :data:`VERIFY_PROBE_TOKENS`."""
+    return min(VERIFY_PROBE_TOKENS, config.max_gamma + 1)
+
+
 def context_bucket(tokens: int) -> int:
     """The bucket of a context of ``tokens`` tokens: the power of two at or above it, at least :data:`MIN_BUCKET`.
 
@@ -359,14 +365,13 @@ class EngineCosts:
 
     def target(self, config, cache, seq: Sequence[int], again: bool = False) -> TargetCosts:
         """v(n) of the target at the context bucket of ``seq`` (measured on ``cache``, which holds ``seq[:-1]``)."""
-        tokens = min(VERIFY_PROBE_TOKENS, config.max_gamma + 1)
         return self.book.get(TargetCosts, self._target_key(config, len(seq)),
-                             lambda: measure_verify(cache, seq[cache.length :], tokens), again)
+                             lambda: measure_verify(cache, seq[cache.length :], _probe_tokens(config)), again)
 
     def _target_key(self, config, context: int) -> str:
         model = self.target_model
         return (f"target {model.label} {model.dtype} {model.device.type} {model.runtime} | verify at "
-                f"{context_bucket(context)} tokens, n = 1 and {min(VERIFY_PROBE_TOKENS, config.max_gamma + 1)}")
+                f"{context_bucket(context)} tokens, n = 1 and {_probe_tokens(config)}")
 
     def drafter(self, config, again: bool = False) -> DrafterCosts:
         """The step and prefill costs of the drafter ``config`` drafts with."""

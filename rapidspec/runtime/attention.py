@@ -89,7 +89,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.masking_utils import sdpa_mask
 
 from rapidspec.runtime.cache_dir import cache_root, keep_json
-from rapidspec.runtime.grouped_attention import grouped_matmul_attention
+from rapidspec.runtime.grouped_attention import PATHS as GROUPED_PATHS, grouped_matmul_attention
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ MATMUL_MAX_QUERY = 32
 #: threads, so one thread summed all n keys while the others waited), one
 #: batched product over the key/value heads (``batched``), the same with the
 #: scores as keys x queries (``keys``), or PyTorch's SDPA (``sdpa``).
-SHORT_QUERY_PATHS = ("matmul", "split", "batched", "keys", "sdpa")
+SHORT_QUERY_PATHS = (*GROUPED_PATHS, "sdpa")
 #: How short CPU queries choose their path: ``"measure"`` (default) takes the
 #: path kept for the shape class in the choices file, measuring and keeping it
 #: the first time (:func:`fastest_short_query_path`); a name of
@@ -251,15 +251,11 @@ def measure_short_query_path(
     key = torch.randn(1, kv_heads, kv_len + 64, head_dim, generator=generator).to(dtype)[:, :, :kv_len]
     value = torch.randn(1, kv_heads, kv_len + 64, head_dim, generator=generator).to(dtype)[:, :, :kv_len]
     scaling = head_dim**-0.5
-    candidates = {
-        "matmul": lambda: grouped_matmul_attention(query, key, value, None, scaling),
-        "split": lambda: grouped_matmul_attention(query, key, value, None, scaling, path="split"),
-        "batched": lambda: grouped_matmul_attention(query, key, value, None, scaling, path="batched"),
-        "keys": lambda: grouped_matmul_attention(query, key, value, None, scaling, path="keys"),
-        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, scale=scaling, enable_gqa=heads != kv_heads
-        ),
-    }
+    candidates = {path: functools.partial(grouped_matmul_attention, query, key, value, None, scaling, path=path)
+                  for path in GROUPED_PATHS}
+    candidates["sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, scale=scaling, enable_gqa=heads != kv_heads
+    )
     seconds = {name: [] for name in candidates}
     with torch.inference_mode():
         for repeat in range(9):  # alternating, the first round a warm-up
