@@ -93,6 +93,24 @@ class FakeReplica:
         self.max_ongoing_requests = 32
 
 
+class FakeResult:
+    """A replica's result as the router sees it: callbacks run when it ends (at once if it has ended)."""
+
+    def __init__(self, ended: bool = False) -> None:
+        self.ended, self.callbacks = ended, []
+
+    def add_done_callback(self, callback) -> None:
+        if self.ended:
+            callback(self)
+        else:
+            self.callbacks.append(callback)
+
+    def end(self) -> None:
+        self.ended = True
+        for callback in self.callbacks:
+            callback(self)
+
+
 def pending(request: str, session: str = "", age_s: float = 0.0) -> PendingRequest:
     metadata = RequestMetadata(request_id=request, internal_request_id=request, session_id=session)
     return PendingRequest(args=[], kwargs={}, metadata=metadata, created_at=time.time() - age_s)
@@ -122,23 +140,44 @@ def test_a_session_waits_for_its_home_until_its_line_reaches_the_bound():
         router, replicas, home, other = _router_of_two()
         assert await router.choose_replicas(replicas, pending("r1", "s")) == [[home]]  # only home: it waits there
         for request in ("r1", "r2"):
-            router.on_request_routed(pending(request, "s"), home.replica_id, None)
-        router.on_request_routed(pending("health"), home.replica_id, None)  # no session: not in the line
+            router.on_request_routed(pending(request, "s"), home.replica_id, FakeResult())
+        router.on_request_routed(pending("health"), home.replica_id, FakeResult())  # no session: not in the line
         assert router.line(home.replica_id) == 2
         at_bound = pending("r3", "s", age_s=SETTLE_S)  # past the settling (the next test)
         assert await router.choose_replicas(replicas, at_bound) == [[other], [home]]  # at the bound
-        router.on_request_routed(at_bound, other.replica_id, None)
+        router.on_request_routed(at_bound, other.replica_id, FakeResult())
         assert router.overflows == {"line": 1}
         router.on_request_completed(other.replica_id, "r1")  # not where r1 was: nothing changes
         router.on_request_completed(home.replica_id, "r1")
         assert await router.choose_replicas(replicas, pending("r4", "s")) == [[home]]  # the line is short again
         late = pending("r5", "s", age_s=31)  # its home did not take it for max_wait_s
         assert await router.choose_replicas(replicas, late) == [[other], [home]]
-        router.on_request_routed(late, home.replica_id, None)  # the home took it after all: no overflow
+        router.on_request_routed(late, home.replica_id, FakeResult())  # the home took it after all: no overflow
         assert router.overflows == {"line": 1}
         assert await router.choose_replicas(replicas, pending("page")) == [replicas]  # no session: any replica
         assert await router.choose_replicas([home], pending("r6", "s")) == [[home]]  # nowhere else to go
         router.update_replicas([])  # the replicas left: their lines go
+        assert router.line(home.replica_id) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_leaves_the_line_when_its_result_ends_even_if_serve_heard_its_end_before_it_was_routed():
+    """Serve registers its completion callback before it awaits the replica's acceptance and calls
+    on_request_routed only after: a short answer on a busy proxy ends in between. Counted by its id alone, such a
+    request stayed in its home's line for good (a conversation then overflowed at a line it did not have)."""
+    async def scenario():
+        router, replicas, home, _ = _router_of_two()
+        router.on_request_completed(home.replica_id, "quick")  # Serve heard it end first
+        router.on_request_routed(pending("quick", "s"), home.replica_id, FakeResult(ended=True))
+        slow = FakeResult()
+        router.on_request_routed(pending("slow", "s"), home.replica_id, slow)
+        await asyncio.sleep(0)  # the result's callback comes through the event loop
+        assert router.line(home.replica_id) == 1  # only the one still running
+        slow.end()  # from the result alone, before Serve's own call
+        await asyncio.sleep(0)
+        assert router.line(home.replica_id) == 0
+        router.on_request_completed(home.replica_id, "slow")  # Serve's call, after: nothing left to remove
         assert router.line(home.replica_id) == 0
 
     asyncio.run(scenario())
@@ -149,13 +188,13 @@ def test_a_turn_that_finds_its_own_session_in_a_full_line_is_asked_again_before_
     may hold that turn. It is asked again (no replica yet) for up to SETTLE_S, then overflows as any other."""
     async def scenario():
         router, replicas, home, other = _router_of_two()
-        router.on_request_routed(pending("turn-1", "s"), home.replica_id, None)
-        router.on_request_routed(pending("x1", "x"), home.replica_id, None)  # another session sharing the home
+        router.on_request_routed(pending("turn-1", "s"), home.replica_id, FakeResult())
+        router.on_request_routed(pending("x1", "x"), home.replica_id, FakeResult())  # another session sharing the home
         assert router.line(home.replica_id) == 2 and router.line(home.replica_id, "s") == 1
         assert await router.choose_replicas(replicas, pending("turn-2", "s")) == []  # not yet: asked again
         router.on_request_completed(home.replica_id, "turn-1")  # Serve hears the turn before ended
         assert await router.choose_replicas(replicas, pending("turn-2", "s")) == [[home]]  # home, with its prefix
-        router.on_request_routed(pending("turn-2", "s"), home.replica_id, None)
+        router.on_request_routed(pending("turn-2", "s"), home.replica_id, FakeResult())
         assert await router.choose_replicas(replicas, pending("turn-3", "s", age_s=SETTLE_S)) == [[other], [home]]
         neighbour = next(f"y{i}" for i in range(100) if home_of(f"y{i}", replicas) is home)
         assert await router.choose_replicas(replicas, pending("y1", neighbour)) == [[other], [home]]  # not in it

@@ -18,7 +18,11 @@ machine was quiet, 2 of 4 while another process held one core.
    (rendezvous hashing: when a replica leaves, only its sessions move; the
    one that replaces it takes over only the sessions it now scores highest).
 2. The home's *line*: the requests with a session id this router has sent
-   there and that have not ended (a stream counts until its last chunk).
+   there and that have not ended (a stream counts until its last chunk). A
+   request leaves the line on its own result's end, not only on Serve's
+   ``on_request_completed``: Serve hears a request end before it tells the
+   router the request was routed when the answer is short and the proxy busy,
+   and a request counted after its end would stay in the line for good.
 3. While the line is shorter than ``max_line``, the request goes home and
    nowhere else: when the home misses a probe, Serve backs off and asks it
    again, and the request waits (in the router, or in the replica's own
@@ -49,6 +53,7 @@ its size.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -140,10 +145,13 @@ class AffinityRouter(RequestRouter):
         return [others, [home]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        """A replica took the request: it joins that replica's line; an overflow is counted."""
+        """A replica took the request: it joins that replica's line until ``result`` ends; an overflow is counted."""
         request_id = pending_request.metadata.internal_request_id
         if pending_request.metadata.session_id:
             self._sent[request_id] = (replica_id, pending_request.metadata.session_id)
+            loop = asyncio.get_running_loop()  # Serve calls the router on its event loop; results end on other threads
+            result.add_done_callback(
+                lambda _: loop.call_soon_threadsafe(self.on_request_completed, replica_id, request_id))
         reason, home = self._decisions.pop(request_id, (None, None))
         if reason is not None and replica_id != home:
             self._count_overflow(reason, home)
