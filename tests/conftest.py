@@ -39,18 +39,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from rapidspec.models import LoadedModel  # noqa: E402
-
-EOS = "<eos>"
-
-
-def build_byte_tokenizer() -> PreTrainedTokenizerFast:
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    vocab[EOS] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
+from tests.byte_tokenizer import build_byte_tokenizer  # noqa: E402  (tests import it from here too)
 
 
 def make_tiny_model(seed: int = 0, tokenizer=None, max_context: int = 4096, hidden_size: int = 32) -> LoadedModel:

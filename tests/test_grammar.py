@@ -79,6 +79,22 @@ def test_masks_follow_paths_and_rejected_drafts_leave_no_trace(grammar_tokens, b
     assert masks.shape == (4, len(byte_tokenizer)) and all(masks[i, t] for i, t in enumerate(good[2:5]))
 
 
+def test_a_grammar_is_compiled_once_and_each_answer_starts_from_its_own_copy(byte_tokenizer, monkeypatch):
+    from rapidspec.grammar import matcher as module
+
+    monkeypatch.setattr(module, "KEPT_GRAMMARS", 2)
+    tokens = GrammarTokens(byte_tokenizer, len(byte_tokenizer), frozenset({byte_tokenizer.eos_token_id}))
+    first = tokens.start(Grammar.json_schema(SCHEMA))
+    first.commit(byte_tokenizer.encode('{"tag": "alpha", "ok": true, "note": "x"}'))
+    second = tokens.start(Grammar.json_schema(SCHEMA))  # the one compiled for the first, copied
+    assert first.finished and not second.finished
+    assert byte_tokenizer.convert_ids_to_tokens(second.mask_after([]).nonzero().flatten().tolist()) == ["{"]
+    assert first.matcher is not second.matcher and len(tokens._compiled) == 1
+    for pattern in ("a+", "b+", "c+"):
+        tokens.start(Grammar.regex(pattern))
+    assert list(tokens._compiled) == [Grammar.regex("b+").llguidance, Grammar.regex("c+").llguidance]  # the last 2
+
+
 def test_a_complete_answer_finishes_the_grammar(grammar_tokens, byte_tokenizer):
     state = grammar_tokens.start(Grammar.json_schema(SCHEMA))
     state.commit(byte_tokenizer.encode('{"tag": "alpha", "ok": true, "note": "x"}'))

@@ -67,13 +67,13 @@ def replicas(local_ray, tiny_model_dir):
 
 
 def _until_the_router_sends_to_both(url: str, timeout: float = 120) -> None:
-    """Short requests of new sessions until each replica has answered one: /health lists the replicas from their
+    """Short requests of new sessions until each running replica has answered one: /health lists them from their
     own reports, while the proxy's router may learn of the second one later; a conversation whose first turn came
     before would find another home for its next (rendezvous hashing over the replicas the router knows)."""
     deadline, session = time.monotonic() + timeout, 0
     while time.monotonic() < deadline:
-        served = _served(url)
-        if len(served) == 2 and all(count > 0 for count in served.values()):
+        served, running = _served(url), [r["replica"] for r in _replicas(url)]  # not a killed one's old counts
+        if len(running) == 2 and all(served.get(replica, 0) > 0 for replica in running):
             return
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello."}], "max_tokens": 1, "mode": "lc"}
         HTTP.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": f"warm-up-{session}"}, timeout=60)
@@ -291,7 +291,7 @@ def test_a_killed_replica_ends_its_requests_cleanly_and_the_others_serve_at_once
         return len(health) == 2 and pids[busy] not in {r["pid"] for r in health}
 
     assert wait_until(restarted, timeout=180, every=1.0)
-    time.sleep(5)  # the proxy's router learns the new set by Serve's long poll: a turn before may find another home
+    _until_the_router_sends_to_both(replicas)  # the router learns the new set by Serve's long poll, not at once
     for conversation in ("after-1", "after-2", "after-3"):  # conversations keep their prefix on the new set
         _turn(replicas, conversation, 1, header=True)
         assert _reused(_turn(replicas, conversation, 2, header=True)) > 0, conversation

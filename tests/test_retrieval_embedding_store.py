@@ -112,8 +112,8 @@ def test_reused_across_processes(tmp_path):
     """A second process reads what the first stored: its embedder refuses to embed chunks."""
     script = textwrap.dedent("""
         import sys
-        from tests.conftest import build_byte_tokenizer
-        from tests.test_retrieval_retriever import BagOfWordsEmbedder, haystack
+        from tests.byte_tokenizer import build_byte_tokenizer
+        from tests.retrieval_stand_ins import BagOfWordsEmbedder, haystack
         from rapidspec.retrieval import RetrievalConfig, Retriever
 
         class Refusing(BagOfWordsEmbedder):

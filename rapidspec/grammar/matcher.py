@@ -18,6 +18,7 @@ eta = 0 every emitted token follows the constrained target distribution.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,8 @@ from rapidspec.grammar.spec import Grammar
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)  # bit i of a packed word is token 32 * word + i
+#: Compiled grammars kept per tokenizer view: a request whose grammar came before starts from a copy.
+KEPT_GRAMMARS = 64
 
 
 class GrammarTokens:
@@ -40,6 +43,7 @@ class GrammarTokens:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
         self._lltokenizer = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # llguidance text -> a matcher at its start, never moved
 
     def prepare(self) -> None:
         """Make the view now (the server does so on a preparing thread, before a request joins the batch)."""
@@ -65,13 +69,28 @@ class GrammarTokens:
 
         ``eos_only_at_end`` (a request's ``ignore_eos``): an end of answer is allowed only where the grammar allows
         nothing else, so the answer goes on wherever the grammar may and still ends where it must."""
+        return GrammarState(self._compile(grammar).deep_copy(), self.vocab_size, self.eos_ids, eos_only_at_end)
+
+    def _compile(self, grammar: Grammar):
+        """llguidance's matcher at the start of ``grammar``: compiled once (about half a millisecond for a small
+        grammar), then kept for the next ``KEPT_GRAMMARS`` grammars."""
+        key = grammar.llguidance
+        with self._lock:
+            matcher = self._compiled.get(key)
+            if matcher is not None:
+                self._compiled.move_to_end(key)
+                return matcher
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._ll(), grammar.llguidance, log_level=0)
         if matcher.is_error():
             raise RapidspecError(f"the {grammar.kind.replace('_', ' ')} cannot be used: {matcher.get_error()}",
                                  code="invalid_grammar")
-        return GrammarState(matcher, self.vocab_size, self.eos_ids, eos_only_at_end)
+        with self._lock:
+            self._compiled[key] = matcher
+            while len(self._compiled) > KEPT_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return matcher
 
 
 class GrammarState:
