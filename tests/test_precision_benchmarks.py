@@ -51,10 +51,11 @@ def test_first_difference():
 
 def test_kernels_are_timed_per_input_dtype(capsys):
     kernels = _module("low_bit_kernels")
-    assert kernels.main(["--shapes", "64x64", "--rows", "1,2"]) == 0
+    assert kernels.main(["--shapes", "64x64", "--rows", "1,2", "--min-run-time", "0.02"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [(r["out"], r["rows"]) for r in result["records"]] == [(64, 1), (64, 2)]
     dynamic = {"int8 x int8 per token"} if dynamic_int8.AVAILABLE else set()
     assert set(result["records"][0]["ms"]) == {f"{kind} {dtype}" for kind in ("float", "int8", "int4")
                                                for dtype in ("float32", "bfloat16")} | dynamic
     assert kernels.main(["--shapes", "64x40"]) == 2
+    assert kernels.main(["--shapes", "64x64", "--min-run-time", "0"]) == 2
