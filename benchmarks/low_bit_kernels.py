@@ -37,7 +37,7 @@ def median_ms(statement: str, min_run_time: float, **values) -> float:
     return 1e3 * timer.blocked_autorange(min_run_time=min_run_time).median
 
 
-def measure(out_features: int, in_features: int, rows: int, min_run_time: float = 0.5) -> dict[str, float]:
+def measure(out_features: int, in_features: int, rows: int, min_run_time: float) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
     int8 = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)

@@ -35,7 +35,8 @@ from rapidspec.runtime.cache_dir import cache_write
 from tests import test_models
 from tests.test_models import fake_gguf  # noqa: F401  (a fixture)
 from tests.test_retrieval_embedding_store import CountingEmbedder, embedding_files, retriever
-from tests.test_retrieval_retriever import haystack, tiny_tokenizer
+from tests.retrieval_stand_ins import haystack
+from tests.test_retrieval_retriever import tiny_tokenizer
 from tests.specs import spec_of
 
 FAULTS = {"read-only": errno.EROFS, "full": errno.ENOSPC}

@@ -14,7 +14,8 @@ import pytest
 from rapidspec.errors import RapidspecError
 from rapidspec.retrieval import RetrievalConfig, Retriever
 from rapidspec.retrieval.embedding_store import EmbeddingStore, default_directory
-from tests.test_retrieval_retriever import BagOfWordsEmbedder, haystack, tiny_tokenizer
+from tests.retrieval_stand_ins import BagOfWordsEmbedder, haystack
+from tests.test_retrieval_retriever import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,8 @@ def test_a_second_retriever_reads_the_chunks_without_a_splitter(tok, tmp_path):
 
 @pytest.mark.parametrize("change", ["document", "chunk size", "tokenizer"])
 def test_stored_chunks_follow_the_text_the_size_and_the_tokenizer(tok, tmp_path, change):
-    from tests.test_retrieval_retriever import NEEDLE, WORDS, train_bpe_tokenizer
+    from tests.conftest import train_bpe_tokenizer
+    from tests.retrieval_stand_ins import NEEDLE, WORDS
 
     doc = haystack(60)
     retriever(tok, CountingEmbedder(), tmp_path).chunks(doc)
