@@ -225,6 +225,55 @@ def test_the_split_product_sums_its_parts_of_the_keys_to_the_whole_product(parts
     assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), probs @ value, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len, causal_tail", [(1, False), (7, True), (7, False)])
+def test_key_rows_past_the_values_are_scored_and_masked_never_read(dtype, q_len, causal_tail):
+    """A cache hands attention its keys up to an aligned count (room after the held positions). Whatever that room
+    holds (here NaN and huge values), every path gives what it gives on the held keys alone."""
+    generator = torch.Generator().manual_seed(q_len)
+    heads, kv_heads, kv_len, dim = 6, 2, 300, 16
+    query = torch.randn(1, heads, q_len, dim, generator=generator).to(dtype)
+    key = torch.randn(1, kv_heads, 384, dim, generator=generator).to(dtype)  # 300 held keys, room up to 384
+    value = torch.randn(1, kv_heads, 384, dim, generator=generator).to(dtype)
+    key[:, :, kv_len::2], key[:, :, kv_len + 1 :: 2] = float("nan"), 1e4
+    for path in ("matmul", "split", "batched", "keys"):
+        held = grouped_matmul_attention(query, key[:, :, :kv_len], value[:, :, :kv_len], None, 0.25, path=path,
+                                        causal_tail=causal_tail)
+        padded = grouped_matmul_attention(query, key, value[:, :, :kv_len], None, 0.25, path=path,
+                                          causal_tail=causal_tail)
+        assert not padded.isnan().any(), path
+        torch.testing.assert_close(padded, held, atol=0, rtol=0)
+
+
+def test_aligned_key_rows_round_up_to_the_alignment_within_the_capacity():
+    align = attention.KEY_ALIGNMENT
+    assert [attention.aligned_key_rows(n, 10 * align) for n in (1, align, align + 1, 3 * align - 1)] == \
+        [align, align, 2 * align, 3 * align]
+    assert attention.aligned_key_rows(align + 1, align + 5) == align + 5  # never past the buffer
+
+
+def test_a_lean_forward_gives_the_same_logits_whatever_its_room_holds(monkeypatch):
+    """The lean model hands attention the room after the held positions (aligned_key_rows); a verification and a
+    plain step over a cache whose room holds NaN give the logits of one whose room holds zeros."""
+    from rapidspec.runtime.lean import LeanModel
+    from rapidspec.runtime.lean_cache import LeanKVCache
+
+    lean = LeanModel(make_tiny_model().model)
+    token_ids = [(7 * i) % 200 + 3 for i in range(300)]
+    for path in ("matmul", "split"):
+        monkeypatch.setattr(attention, "SHORT_QUERY_PATH", path)
+        logits = []
+        for room in (0.0, float("nan")):
+            cache = LeanKVCache(lean)
+            cache.reserve(1000)
+            cache._keys.fill_(room)
+            cache._values.fill_(room)
+            cache.prefill(token_ids)
+            logits.append(torch.cat([cache.forward([5, 6, 7, 8], num_logits=4), cache.forward([9])]))
+        assert not logits[1].isnan().any(), path
+        torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)
+
+
 def test_an_unknown_grouped_path_is_refused():
     query, key = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 4, 8)
     with pytest.raises(ValueError, match="path must be one of"):

@@ -113,6 +113,9 @@ SHORT_QUERY_PATH = "measure"
 #: builds a plan for each new key count, and every decode step brings one (a 0.5B-shaped model on an H200 at 30K
 #: keys: 49-52 ms a step over growing key counts with it allowed, 14 ms without), so flash attention, else the others.
 CUDA_SHORT_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: Key counts that the queries-first products (the ``matmul`` and ``split`` paths) run fastest at: a cache hands
+#: attention its keys rounded up to a multiple of this, from the room ahead in its buffer (:func:`aligned_key_rows`).
+KEY_ALIGNMENT = 128
 #: Fewest keys of a shape class; shorter caches count as this many.
 MEASURE_MIN_KEYS = 256
 #: Environment variable naming the choices file (default: :data:`CHOICES_FILE_NAME` in the cache directory).
@@ -269,9 +272,20 @@ def measure_short_query_path(
     return min(best, key=best.get)
 
 
+def aligned_key_rows(length: int, capacity: int) -> int:
+    """Rows of a cache's key buffer to hand attention for ``length`` held positions: ``length`` rounded up to
+    :data:`KEY_ALIGNMENT`, at most ``capacity``.
+
+    oneDNN's bfloat16 product of a few query rows by the keys ran 30-40% slower on a key count that was not a
+    multiple of 128 (docs/speed.md); the rows past ``length`` are scored and masked, never read as keys
+    (:func:`~rapidspec.runtime.grouped_attention.grouped_matmul_attention`).
+    """
+    return min(capacity, -(-length // KEY_ALIGNMENT) * KEY_ALIGNMENT)
+
+
 def attend(
     query: torch.Tensor,  # [batch, heads, q_len, head_dim]
-    key: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
+    key: torch.Tensor,  # [batch, kv_heads, rows >= kv_len, head_dim]; rows past value's length are ignored
     value: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
     mask: torch.Tensor | None,  # bool (True = attend) or additive, broadcastable to [batch, 1, q_len, kv_len]
     is_causal: bool = False,  # causal without a mask (only for q_len == kv_len)
@@ -279,11 +293,11 @@ def attend(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Attention [batch, heads, q_len, head_dim] on the path that pays for its shape (module docstring)."""
-    path = "sdpa" if is_causal or dropout_p else short_query_path(query, key.shape[1], key.shape[2])
+    path = "sdpa" if is_causal or dropout_p else short_query_path(query, value.shape[1], value.shape[2])
     if path != "sdpa":
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return grouped_matmul_attention(query, key, value, mask, scaling, path=path)
-    return sdpa(query, key, value, mask, dropout_p, scaling, is_causal)
+    return sdpa(query, key[:, :, : value.shape[2]], value, mask, dropout_p, scaling, is_causal)
 
 
 def sdpa(query, key, value, mask, dropout_p: float, scaling: float | None, is_causal: bool = False) -> torch.Tensor:
@@ -298,21 +312,26 @@ def sdpa(query, key, value, mask, dropout_p: float, scaling: float | None, is_ca
 
 def causal_attention(
     query: torch.Tensor,  # [batch, heads, q_len, head_dim], the last q_len positions of the keys
-    key: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
+    key: torch.Tensor,  # [batch, kv_heads, rows >= kv_len, head_dim]; rows past value's length are ignored
     value: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
     scaling: float | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of queries aligned to the *end* of the keys, with no mask of context size (module docstring)."""
-    q_len, kv_len = query.shape[2], key.shape[2]
+    """Causal attention of queries aligned to the *end* of the keys, with no mask of context size (module docstring).
+
+    ``key`` may carry rows past ``value``'s length (:func:`aligned_key_rows`); only the short-query products use
+    them, every other path reads the first ``kv_len``.
+    """
+    q_len, kv_len = query.shape[2], value.shape[2]
     if q_len == 1 or q_len == kv_len:
         return attend(query, key, value, None, q_len > 1, scaling, dropout_p)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if query.device.type == "cpu" and q_len > MATMUL_MAX_QUERY and not dropout_p:
         return query_blocks(query, key, value, scaling)
-    path = "sdpa" if dropout_p else short_query_path(query, key.shape[1], kv_len)
+    path = "sdpa" if dropout_p else short_query_path(query, value.shape[1], kv_len)
     if path != "sdpa":
         return grouped_matmul_attention(query, key, value, None, scaling, path=path, causal_tail=True)
+    key = key[:, :, :kv_len]
     if query.device.type == "cpu" and _CPU_FLASH is not None and not dropout_p:
         return split_causal_attention(query, key, value, scaling)
     if query.device.type == "cuda":
@@ -330,12 +349,13 @@ def query_blocks(query, key, value, scaling: float) -> torch.Tensor:
     head stay small enough for the CPU's caches, where a whole 512-token chunk's outgrew them (and PyTorch's
     flash kernel was as slow): the default model's 16K-token prefill took 57.0 s instead of 89.6 s (docs/speed.md).
     """
-    q_len, kv_len = query.shape[2], key.shape[2]
+    q_len, kv_len = query.shape[2], value.shape[2]
     blocks = []
     for start in range(0, q_len, MATMUL_MAX_QUERY):
         end = min(q_len, start + MATMUL_MAX_QUERY)
         keys = kv_len - q_len + end
-        blocks.append(causal_attention(query[:, :, start:end], key[:, :, :keys], value[:, :, :keys], scaling))
+        rows = aligned_key_rows(keys, key.shape[2])  # the block's keys, and the later ones up to an aligned count
+        blocks.append(causal_attention(query[:, :, start:end], key[:, :, :rows], value[:, :, :keys], scaling))
     return torch.cat(blocks, dim=2)  # [b, h, q, d]
 
 

@@ -19,7 +19,7 @@ PATHS = ("matmul", "split", "batched", "keys")
 
 def grouped_matmul_attention(
     query: torch.Tensor,  # [batch, heads, q_len, head_dim]
-    key: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
+    key: torch.Tensor,  # [batch, kv_heads, rows >= kv_len, head_dim]; rows past kv_len are ignored
     value: torch.Tensor,  # [batch, kv_heads, kv_len, head_dim]
     attention_mask: torch.Tensor | None,  # bool (True = attend) or additive float, broadcastable to [batch, 1, q_len, kv_len]
     scaling: float,
@@ -46,12 +46,22 @@ def grouped_matmul_attention(
 
     ``causal_tail``: lower-right causality without a mask (only the last
     ``q_len`` keys are masked, by a [q_len, q_len] triangle).
+
+    ``key`` may hold more rows than ``value`` (a cache's room ahead, see
+    :func:`~rapidspec.runtime.attention.aligned_key_rows`): without a mask,
+    the ``matmul`` and ``split`` paths score the queries against all of them
+    (a count oneDNN's products run faster on) and mask the extra scores
+    before the softmax, so whatever those rows hold never reaches the output;
+    the other paths ignore them.
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     batched = path in ("batched", "keys")
     batch, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
+    kv_heads, kv_len = value.shape[1], value.shape[2]
+    if batched or attention_mask is not None:
+        key = key[:, :, :kv_len]
+    rows = key.shape[2]  # keys scored: kv_len, and any room after them
     groups = heads // kv_heads
     # A power-of-two scale (head_dim 64: 1/8) is exact in any float format, so it goes on the few query
     # rows instead of the [g*q, n] scores (the same numbers, one pass over the scores less).
@@ -63,14 +73,16 @@ def grouped_matmul_attention(
     elif batched:  # torch.bmm per sequence: 4-D matmul would copy the strided cache views
         scores = torch.stack([torch.bmm(stacked[b], key[b].transpose(1, 2)) for b in range(batch)])  # [b, kv, g*q, n]
     else:
-        scores = query.new_empty(batch, kv_heads, groups * q_len, kv_len)
+        scores = query.new_empty(batch, kv_heads, groups * q_len, rows)
         for b in range(batch):
             for j in range(kv_heads):
-                torch.matmul(stacked[b, j], key[b, j].transpose(0, 1), out=scores[b, j])  # [g*q, n]
-    scores = (scores if on_query else scores.mul_(scaling)).view(batch, kv_heads, groups, q_len, kv_len)  # [b, kv, g, q, n]
+                torch.matmul(stacked[b, j], key[b, j].transpose(0, 1), out=scores[b, j])  # [g*q, rows]
+    scores = (scores if on_query else scores.mul_(scaling)).view(batch, kv_heads, groups, q_len, rows)  # [b, kv, g, q, rows]
+    if rows > kv_len:
+        scores[..., kv_len:].fill_(float("-inf"))  # the room's scores: exp gives 0, whatever its rows held
     if causal_tail and q_len > 1:
         future = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).triu_(1)  # [q, q]
-        scores[..., kv_len - q_len :].masked_fill_(future, float("-inf"))
+        scores[..., kv_len - q_len : kv_len].masked_fill_(future, float("-inf"))
     if attention_mask is not None:
         mask = attention_mask[:, :, None]  # [b|1, 1, 1, q, n]
         if mask.dtype == torch.bool:
@@ -84,7 +96,7 @@ def grouped_matmul_attention(
     # PyTorch's CPU softmax computes in float32 for bfloat16/float16 inputs and
     # rounds once, like softmax(dtype=float32).to(dtype) but without the two
     # extra passes over [g*q, n] that cost more than the products at 16K keys.
-    probs = scores.softmax(dim=-1).view(batch, kv_heads, groups * q_len, kv_len)
+    probs = scores.softmax(dim=-1).flatten(2, 3)[..., :kv_len]  # [b, kv, g*q, n]: the room's zeros left out
     if batched:
         output = torch.stack([torch.bmm(probs[b], value[b]) for b in range(batch)])  # [b, kv, g*q, d]
         return output.view(batch, heads, q_len, head_dim)  # [b, h, q, d]

@@ -30,7 +30,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from rapidspec.runtime.attention import causal_attention
+from rapidspec.runtime.attention import aligned_key_rows, causal_attention
 from rapidspec.runtime.quantization import Int8Linear
 from rapidspec.runtime.packed import pack_fused, pack_linears, release_checkpoint
 
@@ -278,8 +278,9 @@ class LeanModel:
                 value = value.reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)  # [KV, T, d]
                 row.keys[index, :, row.start : end] = apply_rope(key, cos, sin)
                 row.values[index, :, row.start : end] = value
+                scored = aligned_key_rows(end, row.keys.shape[2])  # the room after `end` is scored and masked
                 out = causal_attention(
-                    apply_rope(query, cos, sin)[None], row.keys[None, index, :, :end], row.values[None, index, :, :end],
+                    apply_rope(query, cos, sin)[None], row.keys[None, index, :, :scored], row.values[None, index, :, :end],
                     self.scaling,
                 )[0]  # [H, T, d]
                 attended.append(out.transpose(0, 1).reshape(n, -1))
