@@ -64,8 +64,9 @@ COSTS_FILE_NAME = "step_costs.json"
 COSTS_FILE_ENV = "RAPIDSPEC_STEP_COSTS"
 # 2: int8 layers multiply int8 activations (runtime.dynamic_int8); 3: the fastest of the repeats, entries say when and
 # beside how busy a machine they were measured (older entries are measured again); 4: a plain step over a long cache
-# costs less on the ``keys`` attention path (runtime.grouped_attention), so costs kept before it are measured again
-COSTS_FORMAT = 4
+# costs less on the ``keys`` attention path (runtime.grouped_attention), so costs kept before it are measured again;
+# 5: a verification scores the keys up to an aligned count (runtime.attention.aligned_key_rows) and costs less
+COSTS_FORMAT = 5
 #: Each measured size is timed at least this many times (and until :data:`MIN_SAMPLE_S` have passed, at most
 #: :data:`MAX_REPEATS`); the fastest is kept.
 REPEATS = 3
