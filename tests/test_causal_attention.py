@@ -75,15 +75,15 @@ def test_a_chunked_lean_prefill_builds_no_mask_and_gives_the_unchunked_logits(ti
 @pytest.mark.parametrize("path", ["sdpa", "matmul", "split", "keys"])
 def test_a_long_cpu_query_is_attended_in_blocks_each_over_the_keys_up_to_its_last_row(monkeypatch, path):
     """A query longer than MATMUL_MAX_QUERY runs as blocks of at most that many rows, each a short query aligned to
-    the end of its own keys (the SDPA path included: its blocks take the CPU flash kernel; the products get the
-    later keys too, up to an aligned count, and mask them); equal to the dense reference."""
+    the end of its own keys (the SDPA path included: its blocks take the CPU flash kernel), even when the keys come
+    with room after them; equal to the dense reference."""
     monkeypatch.setattr(attention, "SHORT_QUERY_PATH", path)
     shapes = []
     grouped, flash = attention.grouped_matmul_attention, attention._CPU_FLASH
 
     def grouped_spy(query, key, value, *args, **kwargs):
-        shapes.append((query.shape[2], value.shape[2]))
-        assert key.shape[2] == attention.aligned_key_rows(value.shape[2], kv_len)  # keys up to an aligned count
+        shapes.append((query.shape[2], key.shape[2]))
+        assert key.shape[2] == value.shape[2]  # a block gets no room after its keys, however long the buffer
         return grouped(query, key, value, *args, **kwargs)
 
     def flash_spy(query, key, *args, **kwargs):
@@ -97,7 +97,8 @@ def test_a_long_cpu_query_is_attended_in_blocks_each_over_the_keys_up_to_its_las
     generator = torch.Generator().manual_seed(5)
     query = torch.randn(2, 6, q_len, 16, generator=generator)
     key, value = (torch.randn(2, 2, kv_len, 16, generator=generator) for _ in range(2))
-    out = causal_attention(query, key, value)
+    room = torch.full((2, 2, attention.KEY_ALIGNMENT, 16), float("nan"))
+    out = causal_attention(query, torch.cat([key, room], dim=2), value)  # keys with room after them (lean caches)
     assert torch.allclose(out.double(), reference(query, key, value), atol=2e-5)
     ends = [kv_len - q_len + end for end in (block, 2 * block, q_len)]
     if path == "sdpa":  # each block: the keys before it, then its own keys with a causal mask
