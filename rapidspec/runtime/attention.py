@@ -276,8 +276,9 @@ def aligned_key_rows(length: int, capacity: int) -> int:
     """Rows of a cache's key buffer to hand attention for ``length`` held positions: ``length`` rounded up to
     :data:`KEY_ALIGNMENT`, at most ``capacity``.
 
-    oneDNN's bfloat16 product of a few query rows by the keys ran 30-40% slower on a key count that was not a
-    multiple of 128 (docs/speed.md); the rows past ``length`` are scored and masked, never read as keys
+    oneDNN's bfloat16 product of a verification's query rows by the keys ran slower on a key count that was not
+    a multiple of 128; with the room, a verification of 7 tokens at 16K keys took 12% less (docs/speed.md). The
+    rows past ``length`` are scored and masked, never read as keys
     (:func:`~rapidspec.runtime.grouped_attention.grouped_matmul_attention`).
     """
     return min(capacity, -(-length // KEY_ALIGNMENT) * KEY_ALIGNMENT)
