@@ -78,21 +78,7 @@ def grouped_matmul_attention(
             for j in range(kv_heads):
                 torch.matmul(stacked[b, j], key[b, j].transpose(0, 1), out=scores[b, j])  # [g*q, rows]
     scores = (scores if on_query else scores.mul_(scaling)).view(batch, kv_heads, groups, q_len, rows)  # [b, kv, g, q, rows]
-    if rows > kv_len:
-        scores[..., kv_len:].fill_(float("-inf"))  # the room's scores: exp gives 0, whatever its rows held
-    if causal_tail and q_len > 1:
-        future = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).triu_(1)  # [q, q]
-        scores[..., kv_len - q_len : kv_len].masked_fill_(future, float("-inf"))
-    if attention_mask is not None:
-        mask = attention_mask[:, :, None]  # [b|1, 1, 1, q, n]
-        if mask.dtype == torch.bool:
-            tail = max(kv_len - q_len, 0)
-            if tail and bool(mask[..., :tail].all()):
-                scores[..., tail:].masked_fill_(~mask[..., tail:], float("-inf"))
-            else:
-                scores.masked_fill_(~mask, float("-inf"))
-        else:
-            scores.add_(mask.to(scores.dtype))
+    mask_scores(scores, kv_len, causal_tail, attention_mask)
     # PyTorch's CPU softmax computes in float32 for bfloat16/float16 inputs and
     # rounds once, like softmax(dtype=float32).to(dtype) but without the two
     # extra passes over [g*q, n] that cost more than the products at 16K keys.
@@ -109,6 +95,33 @@ def grouped_matmul_attention(
             else:
                 torch.matmul(probs[b, j], value[b, j], out=output[b, j])  # [g*q, d]
     return output.view(batch, heads, q_len, head_dim)  # [b, h, q, d]
+
+
+def mask_scores(
+    scores: torch.Tensor,  # [b, kv, g, q, rows], rows >= kv_len; masked in place
+    kv_len: int,
+    causal_tail: bool,
+    attention_mask: torch.Tensor | None,  # bool (True = attend) or additive, broadcastable to [b, 1, q, kv_len]
+) -> None:
+    """Set to minus infinity (or add) what the queries may not see: the room after the keys, the future of a
+    lower-right causal query (``causal_tail``: only the last ``q`` keys, by a [q, q] triangle), the mask."""
+    q_len = scores.shape[-2]
+    if scores.shape[-1] > kv_len:
+        scores[..., kv_len:].fill_(float("-inf"))  # the room's scores: exp gives 0, whatever its rows held
+    if causal_tail and q_len > 1:
+        future = torch.ones(q_len, q_len, dtype=torch.bool, device=scores.device).triu_(1)  # [q, q]
+        scores[..., kv_len - q_len : kv_len].masked_fill_(future, float("-inf"))
+    if attention_mask is None:
+        return
+    mask = attention_mask[:, :, None]  # [b|1, 1, 1, q, n]
+    if mask.dtype != torch.bool:
+        scores.add_(mask.to(scores.dtype))
+        return
+    tail = max(kv_len - q_len, 0)
+    if tail and bool(mask[..., :tail].all()):
+        scores[..., tail:].masked_fill_(~mask[..., tail:], float("-inf"))
+    else:
+        scores.masked_fill_(~mask, float("-inf"))
 
 
 def key_parts() -> int:
