@@ -320,8 +320,8 @@ def causal_attention(
 ) -> torch.Tensor:
     """Causal attention of queries aligned to the *end* of the keys, with no mask of context size (module docstring).
 
-    ``key`` may carry rows past ``value``'s length (:func:`aligned_key_rows`); only the products of a short query
-    use them (a verification's), every other path reads the first ``kv_len``: a long query's blocks
+    ``key`` may carry rows past ``value``'s length (:func:`aligned_key_rows`); only a short query's ``matmul`` and
+    ``split`` products use them (a verification's), every other path reads the first ``kv_len``: a long query's blocks
     (:func:`query_blocks`) ran no faster with them at 16K keys and slower at 32K.
     """
     q_len, kv_len = query.shape[2], value.shape[2]
