@@ -18,10 +18,11 @@ DENSE = RetrievalConfig(method="dense", chunk_tokens=64, budget_tokens=128, embe
 
 
 def test_the_warm_up_loads_the_embedder_once_whoever_asks_first(tiny_model, monkeypatch):
-    loads, embedder = [], object()
+    loads, embedder, loading = [], object(), threading.Event()
 
     def load(*args):
         loads.append(threading.current_thread().name)
+        loading.set()
         time.sleep(0.2)  # a first request asks meanwhile
         return embedder
 
@@ -29,7 +30,7 @@ def test_the_warm_up_loads_the_embedder_once_whoever_asks_first(tiny_model, monk
     engine = Rapid(spec_of(retrieval=DENSE), target=tiny_model)
     state = create_app(engine, ServerConfig(model_name="tiny")).state.server
     warming = state.warm_up_retrieval()
-    time.sleep(0.05)
+    assert loading.wait(30)  # the warm-up's load is under way (its thread runs at a lower priority)
     assert engine.retriever.embedder is embedder  # a request's retrieval waits for the load under way
     warming.result(timeout=30)
     assert engine.retriever.loaded_embedder is embedder
